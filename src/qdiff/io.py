@@ -1,0 +1,49 @@
+"""Atomic writes and pickle-free reads: nothing half-written ever looks complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+
+def _atomic(path: Path, mode: str, write: Callable[[IO[Any]], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, value: Any) -> None:
+    _atomic(
+        path,
+        "w",
+        lambda f: f.write(json.dumps(value, indent=1, sort_keys=False, default=str) + "\n"),
+    )
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_text(path: Path, text: str) -> None:
+    _atomic(path, "w", lambda f: f.write(text))
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    _atomic(path, "wb", lambda f: np.save(f, array, allow_pickle=False))
+
+
+def load_array(path: Path) -> np.ndarray:
+    """Load a .npy file; object arrays (which need pickle) are refused."""
+    return np.load(path, allow_pickle=False)

@@ -1,0 +1,280 @@
+"""Render the Markdown report and its TSV tables from run records and pair comparisons."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from tabulate import tabulate
+
+from qdiff.compare import label
+from qdiff.io import write_text
+
+METRICS_NOTE = """\
+Every pair compares two combinations of the same model on the same prompts. Logit metrics are
+over the full vocabulary at the first generated position (the prompt's last token), with the
+left combination as reference: **max |Δ|** (largest over prompts), **mean |Δ|**, **RMS**,
+**NMSE** = Σ(b−a)²/Σa² as in llama.cpp's test-backend-ops (mean over prompts),
+**KL** = KL(softmax a ‖ softmax b) as in llama-perplexity (mean and max over prompts),
+**top-1** = prompts whose first greedy token agrees, **forked** = prompts whose greedy texts
+differ, **first fork** = earliest generated step (0-based) where two texts differ."""
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if value == 0:
+        return "0"
+    return f"{value:.{digits}g}" if 1e-3 <= abs(value) < 1e4 else f"{value:.2e}"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a GitHub table cell, with newlines kept visible."""
+    return text.replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "_none_"
+    return tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True)
+
+
+def _weights_in(record: dict[str, Any]) -> str:
+    buffers = record.get("provenance", {}).get("placement", {}).get("model_buffers", {})
+    return ", ".join(f"{k} {_num(v)} MiB" for k, v in buffers.items()) or "–"
+
+
+def _reason(record: dict[str, Any]) -> str:
+    error = record.get("error", {})
+    return _cell(error.get("message", ""))
+
+
+def _runs_table(records: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in records:
+        timings = r.get("timings", {})
+        context = r.get("provenance", {}).get("llama_context", {})
+        rows.append(
+            {
+                "combination": f"`{label(r)}`",
+                "status": r["status"],
+                "backend": r["settings"]["backend"],
+                "weights in": _weights_in(r),
+                "flash attn (llama.cpp)": context.get("flash_attn", "–"),
+                "n_ubatch": context.get("n_ubatch", "–"),
+                "load s": _num(timings.get("load_s")),
+                "prompt ms": _num(timings.get("prompt_ms_mean")),
+                "decode ms/token": _num(timings.get("decode_ms_per_token")),
+            }
+        )
+    return _table(rows)
+
+
+def _pair_sort_key(pair: dict[str, Any]) -> tuple[int, float]:
+    if pair["status"] != "ok":
+        return (1, 0.0)
+    return (0, -pair["summary"]["max_abs"])
+
+
+def _pairs_table(pairs: list[dict[str, Any]]) -> str:
+    rows = []
+    for p in sorted(pairs, key=_pair_sort_key):
+        s = p.get("summary")
+        if s is None:
+            rows.append({"a": f"`{p['a']}`", "b": f"`{p['b']}`", "what differs": "; ".join(p["differs"]),
+                         "max \\|Δ\\|": f"n/a: {p['reason']}"})
+            continue
+        n = s["n_prompts"]
+        rows.append(
+            {
+                "a": f"`{p['a']}`",
+                "b": f"`{p['b']}`",
+                "what differs": "; ".join(p["differs"]) or "nothing",
+                "max \\|Δ\\|": _num(s["max_abs"]),
+                "mean \\|Δ\\|": _num(s["mean_abs"]),
+                "RMS": _num(s["rms"]),
+                "NMSE": _num(s["nmse"]),
+                "KL mean": _num(s["kl_mean"]),
+                "KL max": _num(s["kl_max"]),
+                "top-1": f"{s['top1_agree']}/{n}",
+                "bit-identical": f"{s['bit_identical']}/{n}",
+                "forked": f"{s['forked']}/{n}",
+                "first fork": "none" if s["first_fork_step"] is None else str(s["first_fork_step"]),
+            }
+        )
+    return _table(rows)
+
+
+def _texts(records: list[dict[str, Any]], prompts: dict[str, str]) -> str:
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return "_no combination of this model ran_"
+    reference = ok[0]
+    parts = []
+    for pid, text in prompts.items():
+        rows = []
+        ref = next((p for p in reference["prompts"] if p["id"] == pid), None)
+        for r in ok:
+            run = next((p for p in r["prompts"] if p["id"] == pid), None)
+            if run is None:
+                continue
+            same = ref is not None and run["tokens"] == ref["tokens"]
+            rows.append(
+                {
+                    "combination": f"`{label(r)}`",
+                    f"vs `{label(reference)}`": "same" if same else "differs",
+                    "generated text": _cell(run["text"]),
+                }
+            )
+        parts.append(f"**`{pid}`**: {_cell(text)}\n\n{_table(rows)}")
+    return "\n\n".join(parts)
+
+
+def _provenance(records: list[dict[str, Any]]) -> str:
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return "_no combination ran_"
+    first = ok[0]["provenance"]
+    common = {
+        "qdiff": first["qdiff"],
+        "llama-cpp-python": first["llama_cpp_python"],
+        "Python": first["python"],
+        "NumPy": first["numpy"],
+        "OS": first["os"],
+        "CPU": first["cpu_model"],
+        "llama.cpp system info": f"`{first['system_info']}`",
+    }
+    lines = [f"- **{k}**: {v}" for k, v in common.items()]
+    rows = []
+    for r in ok:
+        prov = r["provenance"]
+        used = ", ".join(f"{d['name']} ({d['description']})" for d in prov["used_devices"])
+        gpu = prov.get("nvidia_smi") or {}
+        rows.append(
+            {
+                "model": f"`{r['model']}`",
+                "combination": f"`{label(r)}`",
+                "device used": used + (f", driver {gpu['driver']}, CUDA {gpu['cuda']}" if gpu else ""),
+                "model file sha256": prov["model_file"]["sha256"][:16] + "…",
+                "weight types": ", ".join(f"{k}×{v}" for k, v in prov["model_file"]["weight_types"].items()),
+                "settings": ", ".join(
+                    f"{k}={v}" for k, v in r["settings"].items() if k not in ("backend", "env") and v != {}
+                ),
+                "env": ", ".join(f"{k}={v}" for k, v in r["settings"].get("env", {}).items()) or "–",
+            }
+        )
+    return "\n".join(lines) + "\n\n" + _table(rows)
+
+
+def _left_out(records: list[dict[str, Any]]) -> str:
+    rows = [
+        {
+            "model": f"`{r['model']}`",
+            "combination": f"`{label(r)}`",
+            "status": r["status"],
+            "reason": _reason(r),
+        }
+        for r in records
+        if r["status"] != "ok"
+    ]
+    if not rows:
+        return "Every combination ran."
+    return (
+        "`unavailable`: this llama-cpp-python build or machine lacks the device's backend, "
+        "so the device was left out (never run on another backend). `failed`: the run "
+        "crashed or errored; its log is under `results/logs/run/`, and the next `snakemake` "
+        "retries it.\n\n" + _table(rows)
+    )
+
+
+def render(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
+    models = list(dict.fromkeys(r["model"] for r in records))
+    devices = list(dict.fromkeys(r["device"] for r in records))
+    dequants = list(dict.fromkeys(r["dequant"] for r in records))
+    status = Counter(r["status"] for r in records)
+    ok_records = [r for r in records if r["status"] == "ok"]
+    n_prompts = len(ok_records[0]["prompts"]) if ok_records else 0
+    out = [
+        "# qdiff report: why the same GGUF gives different text on different devices",
+        "",
+        f"Generated {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by the qdiff workflow. "
+        f"{len(models)} model(s) × {len(devices)} device(s) × {len(dequants)} dequant mode(s), "
+        f"{n_prompts} prompt(s) each: {status['ok']} combination(s) ran, "
+        f"{status['failed']} failed, {status['unavailable']} left out.",
+        "",
+        METRICS_NOTE,
+        "",
+        "## Left out and failed",
+        "",
+        _left_out(records),
+    ]
+    for model in models:
+        model_records = [r for r in records if r["model"] == model]
+        model_pairs = [p for p in pairs if p["model"] == model]
+        ok = [r for r in model_records if r["status"] == "ok"]
+        file_info = (ok or model_records)[0]["provenance"]["model_file"]
+        file_type = ok[0]["provenance"]["model_file"].get("file_type") if ok else None
+        model_prompts = {p["id"]: p.get("prompt_text", p["id"]) for p in (ok[0]["prompts"] if ok else [])}
+        out += [
+            "",
+            f"## Model `{model}`",
+            "",
+            f"File `{file_info['file']}` ({file_type or 'type unknown'}), from {file_info['origin']}, "
+            f"sha256 `{file_info['sha256']}`.",
+            "",
+            "### Runs",
+            "",
+            _runs_table(model_records),
+            "",
+            "### Pairwise differences, largest first",
+            "",
+            _pairs_table(model_pairs),
+            "",
+            "### Generated text",
+            "",
+            _texts(model_records, model_prompts),
+        ]
+    out += ["", "## Provenance", "", _provenance(records), ""]
+    return "\n".join(out)
+
+
+def pairs_frame(pairs: list[dict[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for p in pairs:
+        base = {"model": p["model"], "a": p["a"], "b": p["b"], "differs": "; ".join(p["differs"]),
+                "status": p["status"]}
+        if p["status"] != "ok":
+            rows.append({**base, "reason": p["reason"]})
+        for q in p["prompts"]:
+            rows.append({**base, **q})
+    return pd.DataFrame(rows)
+
+
+def runs_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
+    rows = []
+    for r in records:
+        base = {"model": r["model"], "device": r["device"], "dequant": r["dequant"],
+                "status": r["status"], "backend": r["settings"]["backend"],
+                "load_s": r.get("timings", {}).get("load_s")}
+        if r["status"] != "ok":
+            rows.append({**base, "error": r.get("error", {}).get("message")})
+        for p in r["prompts"]:
+            rows.append({**base, "prompt": p["id"], "n_prompt_tokens": p["n_prompt_tokens"],
+                         "prompt_ms": p["prompt_ms"], "decode_ms_per_token": p["decode_ms_per_token"],
+                         "tokens": " ".join(map(str, p["tokens"])), "text": p["text"]})
+    return pd.DataFrame(rows)
+
+
+def write_report(
+    records: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    summary_path: Path,
+    pairs_tsv: Path,
+    runs_tsv: Path,
+) -> None:
+    write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
+    write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
+    write_text(summary_path, render(records, pairs))

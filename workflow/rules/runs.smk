@@ -1,0 +1,23 @@
+# One job per model x device x dequant: all prompts share one model load.
+# The job runs inference in a child process, so a llama.cpp crash becomes a "failed" record.
+
+
+rule run_combination:
+    input:
+        model=run_model,
+        info=run_model_info,
+    output:
+        record="results/runs/{model}/{device}/{dequant}/record.json",
+        logits="results/runs/{model}/{device}/{dequant}/logits.npy",
+    params:
+        spec=run_spec,
+        llama_build=LLAMA_BUILD,
+    threads: run_threads
+    resources:
+        gpu=run_gpus,
+    log:
+        "results/logs/run/{model}/{device}/{dequant}.log",
+    benchmark:
+        "results/benchmarks/run/{model}/{device}/{dequant}.tsv"
+    script:
+        "../scripts/run_combination.py"

@@ -1,0 +1,16 @@
+"""Render results/summary.md and the machine-readable tables (rule report)."""
+
+from pathlib import Path
+
+from qdiff.io import read_json
+from qdiff.jobs import log_to
+from qdiff.report import write_report
+
+log_to(snakemake.log[0])
+write_report(
+    records=[read_json(Path(p)) for p in snakemake.input.records],
+    pairs=[read_json(Path(p)) for p in snakemake.input.pairs],
+    summary_path=Path(snakemake.output.summary),
+    pairs_tsv=Path(snakemake.output.pairs),
+    runs_tsv=Path(snakemake.output.runs),
+)
