@@ -12,12 +12,19 @@ from typing import IO, Any
 import numpy as np
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _atomic(path: Path, mode: str, write: Callable[[IO[Any]], None]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, mode) as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; results are shared files
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -21,6 +21,8 @@ _FILE_TYPE = re.compile(r"^print_info: file type\s+= (.+)$", re.M)
 _CONTEXT = re.compile(r"^llama_context: (\w+)\s+= (\S.*)$", re.M)
 _ERROR_HINT = re.compile(r"(error|failed|unknown|invalid|not supported|abort|assert)", re.I)
 
+_STACK_FRAME = re.compile(r"^#\d+\s")  # gdb backtrace lines that ggml prints on abort
+
 # buffers in host memory: the CPU's own, weight repacking, AMX, pinned host memory of a GPU
 HOST_BUFFER = re.compile(r"^(CPU.*|AMX|.*_Host)$")
 
@@ -92,7 +94,11 @@ def placement_problem(
 
 def error_lines(log: str, limit: int = 5) -> list[str]:
     """The last lines of a llama.cpp log that look like the reason for a failure."""
-    hits = [line.strip() for line in log.splitlines() if _ERROR_HINT.search(line)]
+    hits = [
+        line.strip()
+        for line in log.splitlines()
+        if _ERROR_HINT.search(line) and not _STACK_FRAME.match(line)
+    ]
     return hits[-limit:]
 
 

@@ -3,10 +3,14 @@
 The outcome is always a record, so the report can name every combination:
 - ``ok``: the worker's record and logits.
 - ``failed``: a crash (signal), an error, a timeout or weights on the wrong device. The
-  record carries the reason and the tail of llama.cpp's log. Its files get an mtime of
-  1970, older than their inputs, so the next ``snakemake`` run retries exactly these.
+  record carries the reason and the tail of llama.cpp's log, and a fresh ``run_token``.
 - ``unavailable``: this build cannot use the device's backend; the device is left out and
   the report says why. With ``strict_devices`` the job fails instead.
+
+Retrying failures uses Snakemake's params trigger: the run rule's ``retry_token`` param is
+the ``run_token`` of the existing record (see ``retry_token``). A run that ends ok or
+unavailable keeps the token it was launched with, so nothing changes; a failed run writes a
+fresh token, so the next invocation sees a changed param and retries exactly that run.
 """
 
 from __future__ import annotations
@@ -16,17 +20,25 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from qdiff.io import read_json, save_array, write_json
-from qdiff.llamalog import tail
+from qdiff.llamalog import error_lines, tail
 from qdiff.provenance import failure_record
 from qdiff.worker import EXIT_UNAVAILABLE
 
-RETRY_MTIME = 0  # 1970: older than any input, so Snakemake plans the job again
+
+
+def retry_token(record_path: Path) -> str | None:
+    """The run_token of an existing record (None if there is none): a run rule param."""
+    try:
+        return read_json(record_path).get("run_token")
+    except (OSError, ValueError):
+        return None
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -62,8 +74,11 @@ def run_combination(
     record_path: Path,
     logits_path: Path,
     log_path: Path,
+    token: str | None,
 ) -> str:
-    """Run ``spec`` on ``model``; write record and logits; return the status."""
+    """Run ``spec`` on ``model``; write record and logits; return the status.
+
+    ``token`` is the rule's retry_token param, stored in ok and unavailable records."""
     worker_spec = {**spec, "model_path": str(model), "model_info": model_info}
     env = {**os.environ, **spec["settings"].get("env", {})}
     record_path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,25 +97,28 @@ def run_combination(
                 proc.wait()
                 returncode = None
         if returncode == 0:
+            record = {**read_json(work / "record.json"), "run_token": token}
             os.replace(work / "logits.npy", logits_path)
-            os.replace(work / "record.json", record_path)
+            write_json(record_path, record)
             return "ok"
         error_file = work / "error.json"
         error = read_json(error_file) if error_file.exists() else None
     outcome = _classify(returncode, error)
-    outcome["log_tail"] = tail(log_path.read_text(errors="replace"), 25)
+    log_text = log_path.read_text(errors="replace")
+    outcome["error_lines"] = error_lines(log_text)
+    outcome["log_tail"] = tail(log_text, 25)
+    if outcome["kind"] == "crash" and outcome["error_lines"]:
+        outcome["message"] += f" ({outcome['error_lines'][-1]})"
     status = "unavailable" if returncode == EXIT_UNAVAILABLE else "failed"
     message = f"[qdiff] {spec['model']} {spec['device']}.{spec['dequant']}: {status}: {outcome['message']}"
     with log_path.open("a") as log:
         print(message, file=log)
-    print(message, file=sys.stderr)
     if status == "unavailable" and spec["strict_devices"]:
         raise DeviceUnavailableError(
             f"device {spec['device']!r}: {outcome['message']} (strict_devices is on)"
         )
     save_array(logits_path, np.zeros((0, 0), dtype=np.float32))
-    write_json(record_path, failure_record(spec, status, outcome))
-    if status == "failed":
-        for path in (record_path, logits_path):
-            os.utime(path, (RETRY_MTIME, RETRY_MTIME))
+    record = failure_record(worker_spec, status, outcome)
+    record["run_token"] = uuid.uuid4().hex if status == "failed" else token
+    write_json(record_path, record)
     return status

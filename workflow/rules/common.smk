@@ -5,6 +5,7 @@ from pathlib import Path
 
 from qdiff.config import Combination, canonical_json, load_experiment
 from qdiff.provenance import llama_build_id
+from qdiff.run import retry_token
 
 EXPERIMENT = load_experiment(config, base_dir=Path.cwd())
 LLAMA_BUILD = llama_build_id()  # a rebuilt llama-cpp-python reruns every run
@@ -80,10 +81,21 @@ def run_spec(wildcards):
     return canonical_json(EXPERIMENT.run_spec(combo))
 
 
+def run_retry_token(wildcards):
+    """Changes after a failed run, so the next invocation retries it (qdiff.run)."""
+    record = run_dir(wildcards.model, wildcards.device, wildcards.dequant) + "/record.json"
+    return retry_token(Path(record))
+
+
 def run_threads(wildcards):
     """A run claims every core Snakemake may use, so runs never overlap and their timings
     (and OpenMP's spinning threads) are undisturbed; override with --set-threads."""
     return max(workflow.cores, EXPERIMENT.devices[wildcards.device].threads)
+
+
+def run_env(wildcards):
+    """The conda environment of the device's backend (for --sdm conda)."""
+    return f"../../envs/{EXPERIMENT.devices[wildcards.device].backend}.yaml"
 
 
 def run_gpus(wildcards):
@@ -109,4 +121,8 @@ def all_run_records(wildcards):
 
 
 def all_pair_files(wildcards):
-    return [pair_file(a, b) for model in EXPERIMENT.models for a, b in EXPERIMENT.pairs(model)]
+    return [
+        pair_file(a, b)
+        for model in EXPERIMENT.models
+        for a, b in EXPERIMENT.pairs(model)
+    ]

@@ -8,5 +8,7 @@ rule compare_pair:
         "results/compare/{model}/{dev_a}.{dq_a}__{dev_b}.{dq_b}.json",
     log:
         "results/logs/compare/{model}/{dev_a}.{dq_a}__{dev_b}.{dq_b}.log",
+    conda:
+        "../../envs/qdiff.yaml"
     script:
         "../scripts/compare_pair.py"

@@ -6,13 +6,15 @@ rule fetch_model:
     output:
         gguf="resources/models/{model}.gguf",
         info="resources/models/{model}.gguf.json",
-    wildcard_constraints:
-        model=alternation(FETCHED),
-    params:
-        source=fetch_params,
-    retries: 2
     log:
         "results/logs/fetch_model/{model}.log",
+    wildcard_constraints:
+        model=alternation(FETCHED),
+    retries: 2
+    conda:
+        "../../envs/qdiff.yaml"
+    params:
+        source=fetch_params,
     script:
         "../scripts/fetch_model.py"
 
@@ -24,13 +26,15 @@ rule requantize_model:
     output:
         gguf="resources/models/{model}.gguf",
         info="resources/models/{model}.gguf.json",
-    wildcard_constraints:
-        model=alternation(DERIVED) if DERIVED else "(?!)",
-    params:
-        target=requant_type,
-    threads: 2
     log:
         "results/logs/requantize_model/{model}.log",
+    wildcard_constraints:
+        model=alternation(DERIVED) if DERIVED else "(?!)",
+    conda:
+        "../../envs/cpu.yaml"
+    threads: 2
+    params:
+        target=requant_type,
     script:
         "../scripts/quantize_model.py"
 
@@ -42,10 +46,12 @@ rule dequantize_model:
     output:
         gguf="resources/models/{model}.dequant-{dqcopy}.gguf",
         info="resources/models/{model}.dequant-{dqcopy}.gguf.json",
-    params:
-        target="{dqcopy}",
-    threads: 2
     log:
         "results/logs/dequantize_model/{model}.{dqcopy}.log",
+    conda:
+        "../../envs/cpu.yaml"
+    threads: 2
+    params:
+        target="{dqcopy}",
     script:
         "../scripts/quantize_model.py"

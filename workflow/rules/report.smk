@@ -11,5 +11,7 @@ rule report:
         runs=REPORT_FILES[2],
     log:
         "results/logs/report.log",
+    conda:
+        "../../envs/qdiff.yaml"
     script:
         "../scripts/render_report.py"

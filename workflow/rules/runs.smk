@@ -9,15 +9,18 @@ rule run_combination:
     output:
         record="results/runs/{model}/{device}/{dequant}/record.json",
         logits="results/runs/{model}/{device}/{dequant}/logits.npy",
-    params:
-        spec=run_spec,
-        llama_build=LLAMA_BUILD,
-    threads: run_threads
-    resources:
-        gpu=run_gpus,
     log:
         "results/logs/run/{model}/{device}/{dequant}.log",
     benchmark:
         "results/benchmarks/run/{model}/{device}/{dequant}.tsv"
+    conda:
+        run_env
+    threads: run_threads
+    resources:
+        gpu=run_gpus,
+    params:
+        spec=run_spec,
+        llama_build=LLAMA_BUILD,
+        retry_token=run_retry_token,
     script:
         "../scripts/run_combination.py"

@@ -15,4 +15,5 @@ run_combination(
     record_path=Path(snakemake.output.record),
     logits_path=Path(snakemake.output.logits),
     log_path=Path(snakemake.log[0]),
+    token=snakemake.params.retry_token,
 )

@@ -1,0 +1,114 @@
+"""Config validation: bad keys are named before any job runs; the matrix expands as documented."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, Workspace, tiny_config
+from qdiff.config import ConfigError, load_experiment
+
+GOOD = tiny_config(Path("/models/tiny.gguf"))
+
+
+def problems(config: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_experiment(config)
+    return str(info.value)
+
+
+def changed(**edits) -> dict:
+    config = copy.deepcopy(GOOD)
+    for dotted, value in edits.items():
+        *path, last = dotted.split("__")
+        target = config
+        for key in path:
+            target = target[key]
+        target[last] = value
+    return config
+
+
+def test_shipped_config_is_valid_and_expands() -> None:
+    config = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    exp = load_experiment(config, base_dir=REPO)
+    assert list(exp.models) == ["gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.requant-q8_0"]
+    assert exp.models["gemma-3-270m-q4_k_m.requant-q8_0"].parent == "gemma-3-270m-q4_k_m"
+    assert exp.dequant == ("none", "f32", "f16")
+    assert len(exp.all_combinations()) == 2 * 2 * 3
+    assert len(exp.pairs("gemma-3-270m-q4_k_m")) == 15
+    assert len(exp.prompts) >= 8 and exp.generation["n_tokens"] == 20
+
+
+def test_defaults_are_filled_in() -> None:
+    exp = load_experiment(GOOD)
+    cpu = exp.devices["cpu"]
+    assert (cpu.n_batch, cpu.n_ubatch, cpu.extra_bufts, cpu.op_offload) == (512, 512, False, False)
+    assert exp.strict_devices is False and exp.generation["chat_template"] is False
+    gpu = load_experiment(changed(devices={"gpu": {"backend": "cuda"}})).devices["gpu"]
+    assert gpu.op_offload is True
+
+
+def test_run_spec_depends_only_on_its_own_slice() -> None:
+    exp = load_experiment(GOOD)
+    other = load_experiment(changed(devices__cpu__n_ubatch=1))
+    combo = exp.all_combinations()[-1]  # a cpu-fa combination
+    assert combo.device == "cpu-fa"
+    assert exp.run_spec(combo) == other.run_spec(combo)
+    cpu_combo = exp.all_combinations()[0]
+    assert exp.run_spec(cpu_combo) != other.run_spec(cpu_combo)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (changed(devices__cpu__n_thread=4), "config.devices.cpu: unknown key 'n_thread'"),
+        (changed(colour="red"), "config: unknown key 'colour'"),
+        (changed(devices__cpu__backend="cudaa"), "config.devices.cpu.backend: 'cudaa' is not one of"),
+        (changed(dequant=["none", "int4"]), "config.dequant[1]: 'int4' is not one of"),
+        (changed(models__tiny__requantize=["q9_9"]), "unknown quant type 'q9_9'"),
+        (changed(models={"../x": {"path": "a.gguf"}}), "name '../x' is not usable as a file name"),
+        (changed(models={"a/b": {"path": "a.gguf"}}), "name 'a/b' is not usable"),
+        (changed(models={"": {"path": "a.gguf"}}), "name '' is not usable"),
+        (changed(devices={"x__y": {"backend": "cpu"}}), "name 'x__y' is not usable"),
+        (changed(models={"m": {"sha256": "0" * 64}}), "config.models.m: give exactly one source"),
+        (changed(models={"m": {"path": "a", "url": "https://x/a"}}), "found url, path"),
+        (changed(models={"m": {"url": "https://example.org/m.gguf"}}), "a `url` source needs sha256"),
+        (changed(models={"m": {"url": "http://example.org/m.gguf", "sha256": "0" * 64}}),
+         "plain http:// is refused for example.org"),
+        (changed(models={"m": {"path": "a", "sha256": "xyz"}}), "config.models.m.sha256: 'xyz' does not match"),
+        (changed(models={}), "config.models: {} should be non-empty"),
+        (changed(devices={}), "config.devices: {} should be non-empty"),
+        (changed(dequant=[]), "config.dequant: [] should be non-empty"),
+        (changed(prompts=[{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]), "duplicate prompt id 'a'"),
+        (changed(prompts=[{"id": "a"}]), "config.prompts"),
+        (changed(devices__cpu__op_offload=True), "a cpu device cannot offload ops"),
+        (changed(generation__n_tokens=0), "config.generation.n_tokens: 0 is less than the minimum"),
+        (changed(models={"m.requant-q8_0": {"path": "a"}}), "reserved for derived models"),
+    ],
+)
+def test_bad_config_names_the_key(config: dict, expected: str) -> None:
+    assert expected in problems(config)
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    text = problems(changed(devices__cpu__n_thread=4, devices__cpu__backend="tpu"))
+    assert "n_thread" in text and "tpu" in text
+
+
+def test_prompt_file(tmp_path: Path) -> None:
+    (tmp_path / "p.yaml").write_text("- {id: a, text: hello}\n- {id: b, text: world}\n")
+    exp = load_experiment(changed(prompts="p.yaml"), base_dir=tmp_path)
+    assert [p.id for p in exp.prompts] == ["a", "b"]
+    assert "cannot read prompt file" in problems(changed(prompts="missing.yaml"))
+
+
+def test_workflow_stops_before_any_job_on_a_bad_config(workspace: Workspace) -> None:
+    workspace.write_config(changed(devices__cpu__n_thread=4))
+    proc = workspace.snakemake("--dry-run", check=False)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "config.devices.cpu: unknown key 'n_thread'" in output
+    assert not (workspace.root / "results").exists()
