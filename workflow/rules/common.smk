@@ -9,7 +9,6 @@ from qdiff.run import retry_token
 
 EXPERIMENT = load_experiment(config, base_dir=Path.cwd())
 LLAMA_BUILD = llama_build_id()  # a rebuilt llama-cpp-python reruns every run
-DEQUANT_COPIES = ("f32", "f16", "bf16")
 REPORT_FILES = ["results/summary.md", "results/pairs.tsv", "results/runs.tsv"]
 
 
@@ -42,6 +41,10 @@ def model_file(model, dequant="none"):
 
 def run_dir(model, device, dequant):
     return f"results/runs/{model}/{device}/{dequant}"
+
+
+def record_file(model, device, dequant):
+    return f"results/runs/{model}/{device}/{dequant}/record.json"
 
 
 def pair_file(a: Combination, b: Combination):
@@ -83,8 +86,9 @@ def run_spec(wildcards):
 
 def run_retry_token(wildcards):
     """Changes after a failed run, so the next invocation retries it (qdiff.run)."""
-    record = run_dir(wildcards.model, wildcards.device, wildcards.dequant) + "/record.json"
-    return retry_token(Path(record))
+    return retry_token(
+        Path(record_file(wildcards.model, wildcards.device, wildcards.dequant))
+    )
 
 
 def run_threads(wildcards):
@@ -115,8 +119,7 @@ def compare_inputs(wildcards):
 
 def all_run_records(wildcards):
     return [
-        f"{run_dir(c.model, c.device, c.dequant)}/record.json"
-        for c in EXPERIMENT.all_combinations()
+        record_file(c.model, c.device, c.dequant) for c in EXPERIMENT.all_combinations()
     ]
 
 
