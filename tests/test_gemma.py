@@ -1,0 +1,49 @@
+"""The shipped default experiment on the real Gemma 3 270M model, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, Workspace
+
+pytestmark = pytest.mark.gemma
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    ws = Workspace(tmp_path_factory.mktemp("gemma") / "ws")
+    shutil.copytree(REPO / "config", ws.root / "config")
+    ws.snakemake()
+    return ws
+
+
+def test_default_experiment_report(default_run: Workspace) -> None:
+    root = default_run.root
+    records = sorted((root / "results/runs").glob("*/*/*/record.json"))
+    assert len(records) == 2 * 2 * 3
+    for path in records:
+        rec = json.loads(path.read_text())
+        assert rec["status"] == "ok", rec.get("error")
+        assert len(rec["prompts"]) >= 8
+        assert all(len(p["tokens"]) >= 1 for p in rec["prompts"])
+    q4 = json.loads((root / "results/runs/gemma-3-270m-q4_k_m/cpu/none/record.json").read_text())
+    assert q4["provenance"]["model_file"]["file_type"] == "Q4_K - Medium"
+    assert q4["provenance"]["model_file"]["sha256"].startswith("a5fd3b62")
+    q8 = json.loads(
+        (root / "results/runs/gemma-3-270m-q4_k_m.requant-q8_0/cpu/none/record.json").read_text()
+    )
+    assert q8["provenance"]["model_file"]["file_type"] == "Q8_0"
+    f32 = json.loads((root / "results/runs/gemma-3-270m-q4_k_m/cpu/f32/record.json").read_text())
+    assert set(f32["provenance"]["model_file"]["weight_types"]) == {"f32"}
+    summary = (root / "results/summary.md").read_text()
+    assert "## Model `gemma-3-270m-q4_k_m`" in summary
+    assert "## Model `gemma-3-270m-q4_k_m.requant-q8_0`" in summary
+    assert "Every combination ran." in summary
+
+
+def test_rerun_plans_nothing(default_run: Workspace) -> None:
+    assert default_run.planned_jobs() == []
