@@ -28,7 +28,9 @@ def _num(value: float | None, digits: int = 3) -> str:
         return "–"
     if value == 0:
         return "0"
-    return f"{value:.{digits}g}" if 1e-3 <= abs(value) < 1e4 else f"{value:.2e}"
+    if 100 <= abs(value) < 1e6:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}" if 1e-3 <= abs(value) < 100 else f"{value:.2e}"
 
 
 def _cell(text: str) -> str:
