@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+import qdiff
+
 RECORD_FORMAT = 1
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY|CREDENTIAL|AUTH", re.I)
 
@@ -59,7 +61,7 @@ def nvidia_smi() -> dict[str, str] | None:
 
 def machine() -> dict[str, Any]:
     return {
-        "qdiff": package_version("qdiff"),
+        "qdiff": qdiff.__version__,
         "llama_cpp_python": package_version("llama_cpp_python"),
         "python": platform.python_version(),
         "numpy": np.__version__,
