@@ -163,3 +163,17 @@ def test_changing_prompts_or_token_count_reruns_runs(finished: Workspace, tmp_pa
     ws.write_config(config)
     counts = by_rule(ws.planned_jobs())
     assert counts == Counter(run_combination=8, compare_pair=12, report=1)
+
+
+def test_repeated_runs_report_bit_identity(workspace: Workspace, tiny_gguf: Path) -> None:
+    """repeats: 3 runs each combination in three fresh processes and says what it saw."""
+    workspace.write_config(tiny_config(tiny_gguf, dequant=["none"], repeats=3))
+    workspace.snakemake()
+    rec = record(workspace, "tiny.requant-q8_0", "cpu", "none")
+    det = rec["determinism"]
+    assert det["repeats"] == 3
+    # llama.cpp promises nothing; on this CPU a run is deterministic, and qdiff must say so
+    assert det["bit_identical_logits"] is True and det["max_abs_between_repeats"] == 0.0
+    log = (workspace.root / "results/logs/run/tiny.requant-q8_0/cpu/none.log").read_text()
+    assert log.count("[qdiff] prompt rust") == 3
+    assert "3× bit-identical" in (workspace.root / "results/summary.md").read_text()

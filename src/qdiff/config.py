@@ -82,6 +82,7 @@ class Experiment:
     generation: dict[str, Any]
     strict_devices: bool
     run_timeout_s: float
+    repeats: int = 1
 
     def combinations(self, model: str) -> list[Combination]:
         return [
@@ -106,6 +107,8 @@ class Experiment:
             "generation": dict(sorted(self.generation.items())),
             "strict_devices": self.strict_devices,
             "timeout_s": self.run_timeout_s,
+            # only when asked for, so that existing runs keep their params (and their cache)
+            **({"repeats": self.repeats} if self.repeats > 1 else {}),
         }
 
 
@@ -297,6 +300,7 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
         generation=data["generation"],
         strict_devices=data["strict_devices"],
         run_timeout_s=float(data["run_timeout_s"]),
+        repeats=data["repeats"],
     )
 
 

@@ -54,8 +54,21 @@ def _reason(record: dict[str, Any]) -> str:
     return _cell(error.get("message", ""))
 
 
+def _repeats(record: dict[str, Any]) -> str:
+    det = record.get("determinism")
+    if det is None:
+        return "–"
+    if det["bit_identical_logits"] and det["identical_tokens"]:
+        return f"{det['repeats']}× bit-identical"
+    return (
+        f"{det['repeats']}× NOT identical: max |Δ| {_num(det['max_abs_between_repeats'])}"
+        + ("" if det["identical_tokens"] else ", text differs")
+    )
+
+
 def _runs_table(records: list[dict[str, Any]]) -> str:
     rows = []
+    repeated = any("determinism" in r for r in records)
     for r in records:
         timings = r.get("timings", {})
         context = r.get("provenance", {}).get("llama_context", {})
@@ -70,6 +83,7 @@ def _runs_table(records: list[dict[str, Any]]) -> str:
                 "load s": _num(timings.get("load_s")),
                 "prompt ms": _num(timings.get("prompt_ms_mean")),
                 "decode ms/token": _num(timings.get("decode_ms_per_token")),
+                **({"repeated runs": _repeats(r)} if repeated else {}),
             }
         )
     return _table(rows)

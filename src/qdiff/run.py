@@ -16,6 +16,7 @@ fresh token, so the next invocation sees a changed param and retries exactly tha
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.io import read_json, save_array, write_json
+from qdiff.io import load_array, read_json, save_array, write_json
 from qdiff.llamalog import error_lines, tail
 from qdiff.provenance import failure_record
 from qdiff.worker import EXIT_UNAVAILABLE
@@ -67,6 +68,43 @@ def _classify(returncode: int | None, error: dict[str, Any] | None) -> dict[str,
     return {"kind": "error", "exit_code": returncode, "message": f"worker exited with {returncode}"}
 
 
+def _attempt(worker_spec: dict[str, Any], work: Path, log_path: Path) -> int | None:
+    """One worker process; its exit code, or None after a timeout."""
+    work.mkdir()
+    write_json(work / "spec.json", worker_spec)
+    env = {**os.environ, **worker_spec["settings"].get("env", {})}
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "qdiff.worker", str(work / "spec.json"), str(work)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+        )
+        try:
+            return proc.wait(timeout=worker_spec["timeout_s"])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
+
+
+def determinism(attempts: list[Path]) -> dict[str, Any]:
+    """Whether repeated runs (each in a fresh process) gave bit-identical results."""
+    first_logits = load_array(attempts[0] / "logits.npy")
+    first_tokens = [p["tokens"] for p in read_json(attempts[0] / "record.json")["prompts"]]
+    max_abs, logits_same, tokens_same = 0.0, True, True
+    for other in attempts[1:]:
+        logits = load_array(other / "logits.npy")
+        logits_same &= bool(np.array_equal(first_logits, logits))
+        max_abs = max(max_abs, float(np.abs(first_logits - logits).max(initial=0.0)))
+        tokens = [p["tokens"] for p in read_json(other / "record.json")["prompts"]]
+        tokens_same &= tokens == first_tokens
+    return {
+        "repeats": len(attempts),
+        "bit_identical_logits": logits_same,
+        "identical_tokens": tokens_same,
+        "max_abs_between_repeats": max_abs,
+    }
+
+
 def run_combination(
     spec: dict[str, Any],
     model: Path,
@@ -76,32 +114,30 @@ def run_combination(
     log_path: Path,
     token: str | None,
 ) -> str:
-    """Run ``spec`` on ``model``; write record and logits; return the status.
+    """Run ``spec`` on ``model`` (``spec["repeats"]`` times, each in a fresh process);
+    write record and logits of the first attempt; return the status.
 
     ``token`` is the rule's retry_token param, stored in ok and unavailable records."""
     worker_spec = {**spec, "model_path": str(model), "model_info": model_info}
-    env = {**os.environ, **spec["settings"].get("env", {})}
     record_path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in record_path.parent.glob(".run-*"):  # left by a killed job of this run
+        shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=record_path.parent, prefix=".run-") as tmp:
-        work = Path(tmp)
-        write_json(work / "spec.json", worker_spec)
-        with log_path.open("ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "qdiff.worker", str(work / "spec.json"), str(work)],
-                stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
-            )
-            try:
-                returncode: int | None = proc.wait(timeout=spec["timeout_s"])
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                returncode = None
+        attempts: list[Path] = []
+        returncode: int | None = 0
+        for i in range(spec.get("repeats", 1)):
+            attempts.append(Path(tmp) / f"attempt-{i}")
+            returncode = _attempt(worker_spec, attempts[-1], log_path)
+            if returncode != 0:
+                break
         if returncode == 0:
-            record = {**read_json(work / "record.json"), "run_token": token}
-            os.replace(work / "logits.npy", logits_path)
+            record = {**read_json(attempts[0] / "record.json"), "run_token": token}
+            if len(attempts) > 1:
+                record["determinism"] = determinism(attempts)
+            os.replace(attempts[0] / "logits.npy", logits_path)
             write_json(record_path, record)
             return "ok"
-        error_file = work / "error.json"
+        error_file = attempts[-1] / "error.json"
         error = read_json(error_file) if error_file.exists() else None
     outcome = _classify(returncode, error)
     log_text = log_path.read_text(errors="replace")
