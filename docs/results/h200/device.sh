@@ -9,8 +9,8 @@
 #
 #   device.sh build          install the wheels; start the CUDA build in the background
 #   device.sh install DIR    install the wheels in DIR (a model chunk)
-#   device.sh run            wait for the build, run the workflow with config/h200.yaml,
-#                            and pack the results into $OUT
+#   device.sh run [CONFIG]   wait for the build, run the workflow with CONFIG
+#                            (default config/h200.yaml), and pack the results into $OUT
 set -euo pipefail
 SITE=/tmp/site
 export PYTHONPATH="$PWD/src:$SITE"
@@ -37,7 +37,7 @@ run)
     grep -q BUILD_OK /tmp/build.log
     nvidia-smi --query-gpu=name,driver_version --format=csv
     start=$(date +%s)
-    python3 -m snakemake --configfile config/h200.yaml --cores 16 --resources gpu=1 \
+    python3 -m snakemake --configfile "${2:-config/h200.yaml}" --cores 16 --resources gpu=1 \
         >"$OUT/snakemake.log" 2>&1 || status=$?
     echo "workflow wall time: $(($(date +%s) - start)) s, exit ${status:-0}"
     tar czf "$OUT/h200-results.tgz" results/summary.md results/pairs.tsv results/runs.tsv \
@@ -45,7 +45,7 @@ run)
     exit "${status:-0}"
     ;;
 *)
-    echo "usage: device.sh build | install DIR | run" >&2
+    echo "usage: device.sh build | install DIR | run [CONFIG]" >&2
     exit 2
     ;;
 esac
