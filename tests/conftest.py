@@ -67,7 +67,10 @@ class Workspace:
 
     def planned_jobs(self) -> list[Job]:
         """The jobs a dry run plans, with their wildcards (the `all` target excluded)."""
-        out = self.snakemake("--dry-run")
+        return self.planned_jobs_with()
+
+    def planned_jobs_with(self, *args: str) -> list[Job]:
+        out = self.snakemake("--dry-run", *args)
         text = out.stdout + out.stderr
         jobs = []
         for block in re.split(r"\n(?=(?:local)?rule \w+:)", text):

@@ -112,3 +112,14 @@ def test_workflow_stops_before_any_job_on_a_bad_config(workspace: Workspace) -> 
     output = proc.stdout + proc.stderr
     assert "config.devices.cpu: unknown key 'n_thread'" in output
     assert not (workspace.root / "results").exists()
+
+
+def test_configfile_replaces_the_default_experiment(workspace: Workspace) -> None:
+    """--configfile names the whole experiment: nothing of config/config.yaml leaks in."""
+    workspace.write_config(GOOD)  # the default, with devices cpu and cpu-fa
+    other = workspace.root / "other.yaml"
+    other.write_text(yaml.safe_dump({**GOOD, "devices": {"solo": {"backend": "cpu"}}}))
+    jobs = workspace.planned_jobs_with("--configfile", str(other))
+    assert {j.wildcards["device"] for j in jobs if j.rule == "run_combination"} == {"solo"}
+    merged = workspace.planned_jobs_with("--config", "repeats=2")
+    assert {j.wildcards["device"] for j in merged if j.rule == "run_combination"} == {"cpu", "cpu-fa"}
