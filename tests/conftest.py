@@ -33,6 +33,7 @@ def tiny_gguf_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Job:
     rule: str
     wildcards: dict[str, str]
+    resources: dict[str, str]
 
 
 @dataclass
@@ -77,14 +78,18 @@ class Workspace:
             m = re.match(r"(?:local)?rule (\w+):", block.strip())
             if not m or m[1] == "all":
                 continue
-            wc = re.search(r"^\s+wildcards: (.*)$", block, re.M)
-            pairs = [kv.split("=", 1) for kv in wc[1].split(", ")] if wc else []
-            jobs.append(Job(m[1], dict(pairs)))
+            jobs.append(Job(m[1], _key_values(block, "wildcards"), _key_values(block, "resources")))
         return jobs
 
     def copy_to(self, dest: Path) -> Workspace:
         shutil.copytree(self.root, dest, symlinks=True)  # copy2 keeps mtimes
         return Workspace(dest)
+
+
+def _key_values(block: str, field: str) -> dict[str, str]:
+    """The `field: a=1, b=2` line of a job in Snakemake's dry-run output."""
+    line = re.search(rf"^\s+{field}: (.*)$", block, re.M)
+    return dict(kv.split("=", 1) for kv in line[1].split(", ")) if line else {}
 
 
 def tiny_config(model_path: Path, **overrides: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO, Workspace, tiny_config
-from qdiff.config import ConfigError, load_experiment
+from qdiff.config import ConfigError, check_duplicate_keys, load_experiment
 
 GOOD = tiny_config(Path("/models/tiny.gguf"))
 
@@ -123,3 +123,17 @@ def test_configfile_replaces_the_default_experiment(workspace: Workspace) -> Non
     assert {j.wildcards["device"] for j in jobs if j.rule == "run_combination"} == {"solo"}
     merged = workspace.planned_jobs_with("--config", "repeats=2")
     assert {j.wildcards["device"] for j in merged if j.rule == "run_combination"} == {"cpu", "cpu-fa"}
+
+
+def test_duplicate_keys_are_named_not_silently_merged(workspace: Workspace) -> None:
+    workspace.write_config(GOOD)
+    text = workspace.config_path.read_text()
+    workspace.config_path.write_text(text + "dequant: [none]\n")  # a second top-level dequant
+    proc = workspace.snakemake("--dry-run", check=False)
+    assert proc.returncode != 0
+    assert "duplicate key 'dequant' on line" in proc.stdout + proc.stderr
+    nested = "devices:\n  cpu: {backend: cpu}\n  cpu: {backend: cuda}\n"
+    path = workspace.root / "dup.yaml"
+    path.write_text(nested)
+    with pytest.raises(ConfigError, match=r"duplicate key 'cpu' on line 3 \(first on line 2\)"):
+        check_duplicate_keys([path])

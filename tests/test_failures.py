@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from conftest import Workspace
 from tinymodel import spm_vocab, write_tiny_llama
 
 pytestmark = pytest.mark.workflow
+SECRET = "hf_qdiff_secret_value_42"
 
 
 def write_aborting_model(path: Path) -> Path:
@@ -47,6 +50,7 @@ def broken(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Workspa
     truncated = models_dir / "truncated.gguf"
     truncated.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
     aborting = write_aborting_model(models_dir / "aborting.gguf")
+    alien = write_tiny_llama(models_dir / "alien.gguf", arch="qdiffnet")
     ws = Workspace(tmp_path_factory.mktemp("broken") / "ws")
     ws.write_config(
         config(
@@ -54,8 +58,12 @@ def broken(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Workspa
                 "good": {"path": str(tiny_gguf)},
                 "truncated": {"path": str(truncated)},
                 "aborting": {"path": str(aborting)},
+                "alien": {"path": str(alien)},
             },
-            devices={"cpu": {"backend": "cpu", "threads": 1}, "gpu": {"backend": "cuda"}},
+            devices={
+                "cpu": {"backend": "cpu", "threads": 1, "env": {"HF_TOKEN": SECRET}},
+                "gpu": {"backend": "cuda"},
+            },
         )
     )
     ws.snakemake()  # every job "succeeds": failures are recorded, not raised
@@ -92,6 +100,29 @@ def test_truncated_model_fails_with_file_and_reason(broken: Workspace) -> None:
     assert "complete GGUF" in r["error"]["message"]
 
 
+def test_unknown_architecture_fails_with_the_reason(broken: Workspace) -> None:
+    r = rec(broken, "alien", "cpu")
+    assert r["status"] == "failed" and r["error"]["kind"] == "model"
+    assert "alien.gguf" in r["error"]["message"]
+    assert "unknown model architecture: 'qdiffnet'" in r["error"]["message"]
+
+
+def test_secrets_in_device_env_never_reach_results(broken: Workspace) -> None:
+    assert rec(broken, "good", "cpu")["settings"]["env"] == {"HF_TOKEN": "<redacted>"}
+    for path in (broken.root / "results").rglob("*"):
+        if path.is_file() and path.suffix != ".npy":
+            assert SECRET not in path.read_text(errors="replace"), path
+
+
+def test_gpu_runs_declare_a_gpu_resource(workspace: Workspace, tiny_gguf: Path) -> None:
+    workspace.write_config(
+        config(models={"good": {"path": str(tiny_gguf)}},
+               devices={"cpu": {"backend": "cpu"}, "gpu": {"backend": "vulkan"}})
+    )
+    runs = [j for j in workspace.planned_jobs() if j.rule == "run_combination"]
+    assert {j.wildcards["device"]: j.resources["gpu"] for j in runs} == {"cpu": "0", "gpu": "1"}
+
+
 def test_report_marks_failures_and_left_out_devices(broken: Workspace) -> None:
     text = (broken.root / "results/summary.md").read_text()
     left_out = text.split("## Left out and failed")[1].split("## Model")[0]
@@ -107,7 +138,7 @@ def test_rerun_retries_only_the_failed_runs(broken: Workspace, tmp_path: Path, t
     ws = broken.copy_to(tmp_path / "ws")
     jobs = ws.planned_jobs()
     runs = {(j.wildcards["model"], j.wildcards["device"]) for j in jobs if j.rule == "run_combination"}
-    assert runs == {("truncated", "cpu"), ("aborting", "cpu")}
+    assert runs == {("truncated", "cpu"), ("aborting", "cpu"), ("alien", "cpu")}
     # fix the cause: point the aborting model at a good file; its run then succeeds
     cfg = ws.read_config()
     cfg["models"]["aborting"]["path"] = str(tiny_gguf)
@@ -116,7 +147,7 @@ def test_rerun_retries_only_the_failed_runs(broken: Workspace, tmp_path: Path, t
     assert rec(ws, "aborting", "cpu")["status"] == "ok"
     assert rec(ws, "truncated", "cpu")["status"] == "failed"
     counts = Counter(j.rule for j in ws.planned_jobs())
-    assert counts == Counter(run_combination=1, compare_pair=1, report=1)  # truncated only
+    assert counts == Counter(run_combination=2, compare_pair=2, report=1)  # truncated, alien
 
 
 def test_strict_devices_stops_with_a_clear_message(workspace: Workspace, tiny_gguf: Path) -> None:
@@ -129,3 +160,31 @@ def test_strict_devices_stops_with_a_clear_message(workspace: Workspace, tiny_gg
     log = (workspace.root / "results/logs/run/good/gpu/none.log").read_text()
     assert "device 'gpu'" in log and "strict_devices is on" in log
     assert not (workspace.root / "results/runs/good/gpu/none/record.json").exists()
+
+
+def test_extra_buffer_types_amx_crash_is_isolated(workspace: Workspace, tiny_gguf: Path) -> None:
+    """qdiff's answer to the AMX crash: extra buffer types are off by default, and a device
+    that turns them on is isolated. On an AMX CPU (this project's Xeon) llama.cpp's AMX kernel
+    kills the run (SIGSEGV on Gemma, SIGILL on this VM); elsewhere it runs normally."""
+    info = subprocess.run(
+        [sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    workspace.write_config(
+        config(
+            models={"tiny": {"path": str(tiny_gguf), "requantize": ["q8_0"]}},
+            devices={"cpu": {"backend": "cpu", "threads": 1},
+                     "cpu-amx": {"backend": "cpu", "threads": 1, "extra_bufts": True}},
+        )
+    )
+    workspace.snakemake()
+    plain = rec(workspace, "tiny.requant-q8_0", "cpu")
+    assert plain["status"] == "ok"
+    assert plain["provenance"]["cpu_kernels"]["weight_buffers"] == ["CPU_Mapped"]
+    amx = rec(workspace, "tiny.requant-q8_0", "cpu-amx")
+    if "AMX_INT8 = 1" in info:
+        assert amx["status"] == "failed", "the AMX kernel ran: update README 'CPU kernels'"
+        assert amx["error"]["signal"] in {"SIGSEGV", "SIGILL", "SIGABRT"}
+        assert "AMX" in amx["error"]["model_buffers"]
+    else:
+        assert amx["status"] == "ok"

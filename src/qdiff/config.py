@@ -304,6 +304,36 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
     )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a mapping with the same key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    [
+                        f"{self.name}: duplicate key {key!r} on line {key_node.start_mark.line + 1} "
+                        f"(first on line {seen[key]}): the first definition would be silently lost"
+                    ]
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def check_duplicate_keys(paths: list[Path | str]) -> None:
+    """Raise ConfigError if a YAML file defines a key twice in one mapping."""
+    for path in paths:
+        with open(path) as f:
+            loader = _UniqueKeyLoader(f)
+            loader.name = str(path)
+            try:
+                loader.get_single_data()
+            finally:
+                loader.dispose()
+
+
 def canonical_json(value: Any) -> str:
     """Stable text for Snakemake params, which it compares by repr()."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"))

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from qdiff.io import load_array, read_json, save_array, write_json
-from qdiff.llamalog import error_lines, tail
+from qdiff.llamalog import error_lines, parse_placement, tail
 from qdiff.provenance import failure_record
 from qdiff.worker import EXIT_UNAVAILABLE
 
@@ -142,6 +142,8 @@ def run_combination(
     outcome = _classify(returncode, error)
     log_text = log_path.read_text(errors="replace")
     outcome["error_lines"] = error_lines(log_text)
+    # where the weights were when it failed: names the kernels in use (e.g. AMX)
+    outcome["model_buffers"] = parse_placement(log_text).model_buffers
     outcome["log_tail"] = tail(log_text, 25)
     if outcome["kind"] == "crash" and outcome["error_lines"]:
         outcome["message"] += f" ({outcome['error_lines'][-1]})"

@@ -3,10 +3,16 @@
 import re
 from pathlib import Path
 
-from qdiff.config import Combination, canonical_json, load_experiment
+from qdiff.config import (
+    Combination,
+    canonical_json,
+    check_duplicate_keys,
+    load_experiment,
+)
 from qdiff.provenance import llama_build_id
 from qdiff.run import retry_token
 
+check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
 EXPERIMENT = load_experiment(config, base_dir=Path.cwd())
 LLAMA_BUILD = llama_build_id()  # a rebuilt llama-cpp-python reruns every run
 REPORT_FILES = ["results/summary.md", "results/pairs.tsv", "results/runs.tsv"]
