@@ -99,11 +99,25 @@ def test_report_has_every_section(finished: Workspace) -> None:
         "## Model `tiny`",
         "## Model `tiny.requant-q8_0`",
         "### Runs",
+        "### Diagnosis",
         "### Pairwise differences, largest first",
+        "### Distance from the reference",
+        "### Tolerances for cross-device tests",
+        "### Plots",
         "### Generated text",
         "## Provenance",
     ):
         assert heading in text
+    # diagnosis on the tiny matrix: the flash-attention setting, amplified on the Q8_0 file
+    q8 = text.split("## Model `tiny.requant-q8_0`")[1].split("### Pairwise")[0]
+    assert "**setting**: `cpu` vs `cpu-fa` (same backend) differ only in flash_attn off→on" in q8
+    assert "**activation-quantization**: `cpu` vs `cpu-fa`" in q8
+    assert "np.testing.assert_allclose(logits_device, logits_reference, rtol=0, atol=" in text
+    assert "KL(`cpu.f32` ‖ combination)" in text
+    for model in ("tiny", "tiny.requant-q8_0"):
+        for plot in (f"plots/{model}.heatmap.png", f"plots/{model}.largest-pair.png"):
+            assert f"]({plot})" in text
+            assert (finished.root / "results" / plot).stat().st_size > 5000
     assert "| `cpu.none`" in text and "flash_attn off→on" in text
     pairs = (finished.root / "results/pairs.tsv").read_text().splitlines()
     assert len(pairs) == 1 + 12 * 2  # header + 12 pairs x 2 prompts

@@ -8,6 +8,10 @@ import numpy as np
 
 from qdiff.metrics import fork_step, logit_metrics
 
+# Bump when a comparison's fields change: it is a param of the compare rule, so existing
+# comparisons are recomputed instead of reaching the report without the new fields.
+COMPARE_FORMAT = 2
+
 
 def label(record: dict[str, Any]) -> str:
     return f"{record['device']}.{record['dequant']}"
@@ -65,6 +69,9 @@ def compare_runs(
                 "kl": float(m["kl"][k]),
                 "top1_agree": bool(m["top1_a"][k] == m["top1_b"][k]),
                 "top1_margin_a": float(m["margin_a"][k]),
+                "dp_top": float(m["dp_top"][k]),
+                "kl_ba": float(m["kl_ba"][k]),
+                "dp_top_ba": float(m["dp_top_ba"][k]),
                 "bit_identical": bool(m["bit_identical"][k]),
                 "fork_step": fork_step(pa["tokens"], pb["tokens"]),
                 "same_prompt_tokens": pa["n_prompt_tokens"] == pb["n_prompt_tokens"],
@@ -73,17 +80,25 @@ def compare_runs(
             }
         )
     forks = [p["fork_step"] for p in prompts if p["fork_step"] is not None]
+    max_abs = np.array([p["max_abs"] for p in prompts])
+    kl = np.array([p["kl"] for p in prompts])
     summary = {
         "n_prompts": len(prompts),
-        "max_abs": max(p["max_abs"] for p in prompts),
+        "max_abs": float(max_abs.max()),
+        "max_abs_median": float(np.median(max_abs)),
+        "max_abs_p90": float(np.percentile(max_abs, 90)),
         "mean_abs": float(np.mean([p["mean_abs"] for p in prompts])),
         "rms": float(np.sqrt(np.mean([p["rms"] ** 2 for p in prompts]))),
         "nmse": float(np.mean([p["nmse"] for p in prompts])),
         "kl_mean": float(np.mean([p["kl"] for p in prompts])),
-        "kl_max": max(p["kl"] for p in prompts),
+        "kl_max": float(kl.max()),
+        "kl_median": float(np.median(kl)),
+        "kl_p99": float(np.percentile(kl, 99)),
+        "dp_rms": float(np.sqrt(np.mean([p["dp_top"] ** 2 for p in prompts]))),
         "top1_agree": sum(p["top1_agree"] for p in prompts),
         "bit_identical": sum(p["bit_identical"] for p in prompts),
         "forked": len(forks),
         "first_fork_step": min(forks) if forks else None,
+        "median_fork_step": float(np.median(forks)) if forks else None,
     }
     return {**pair, "status": "ok", "summary": summary, "prompts": prompts}

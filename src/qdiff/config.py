@@ -83,6 +83,7 @@ class Experiment:
     strict_devices: bool
     run_timeout_s: float
     repeats: int = 1
+    reference: str | None = None  # "device.dequant" the report measures everything against
 
     def combinations(self, model: str) -> list[Combination]:
         return [
@@ -281,6 +282,21 @@ def _prompts(value: Any, base_dir: Path, problems: list[str]) -> tuple[Prompt, .
     return tuple(prompts)
 
 
+def _reference(
+    data: dict[str, Any], devices: dict[str, DeviceSettings], problems: list[str]
+) -> str | None:
+    if "reference" not in data:
+        first = next(iter(devices), None)
+        return f"{first}.f32" if first and "f32" in data["dequant"] else None
+    device, _, dequant = data["reference"].rpartition(".")
+    if device not in devices or dequant not in data["dequant"]:
+        problems.append(
+            f"config.reference: {data['reference']!r} is not a configured combination "
+            "(write device.dequant, e.g. cpu.f32)"
+        )
+    return data["reference"]
+
+
 def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Experiment:
     """Validate ``config`` (a parsed config.yaml) and expand it, or raise ConfigError."""
     data = copy.deepcopy(config)
@@ -290,6 +306,7 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
     models = _model_specs(data["models"], problems)
     devices = _device_settings(data["devices"], problems)
     prompts = _prompts(data["prompts"], Path(base_dir), problems)
+    reference = _reference(data, devices, problems)
     if problems:
         raise ConfigError(problems)
     return Experiment(
@@ -301,6 +318,7 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
         strict_devices=data["strict_devices"],
         run_timeout_s=float(data["run_timeout_s"]),
         repeats=data["repeats"],
+        reference=reference,
     )
 
 

@@ -25,6 +25,8 @@ def logit_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
     abs_delta = np.abs(delta)
     squared = delta**2
     log_pa, log_pb = log_softmax(a64), log_softmax(b64)
+    rows = np.arange(len(a))
+    top_a, top_b = a.argmax(axis=-1), b.argmax(axis=-1)
     top2_a = np.sort(a64, axis=-1)[:, -2:] if a.shape[-1] >= 2 else np.zeros((len(a), 2))
     return {
         "max_abs": abs_delta.max(axis=-1),
@@ -32,8 +34,12 @@ def logit_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
         "rms": np.sqrt(squared.mean(axis=-1)),
         "nmse": squared.sum(axis=-1) / np.maximum((a64**2).sum(axis=-1), np.finfo(float).tiny),
         "kl": np.maximum((np.exp(log_pa) * (log_pa - log_pb)).sum(axis=-1), 0.0),
-        "top1_a": a.argmax(axis=-1),
-        "top1_b": b.argmax(axis=-1),
+        "kl_ba": np.maximum((np.exp(log_pb) * (log_pb - log_pa)).sum(axis=-1), 0.0),
+        "top1_a": top_a,
+        # Δp as llama-perplexity reports it, for the reference's own top token (no corpus here)
+        "dp_top": np.exp(log_pb[rows, top_a]) - np.exp(log_pa[rows, top_a]),
+        "dp_top_ba": np.exp(log_pa[rows, top_b]) - np.exp(log_pb[rows, top_b]),
+        "top1_b": top_b,
         "margin_a": top2_a[:, 1] - top2_a[:, 0],  # reference's top-1 minus top-2 logit
         "bit_identical": (a == b).all(axis=-1),
     }

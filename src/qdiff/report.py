@@ -7,11 +7,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import math
+
+import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
+from qdiff import plots
 from qdiff.compare import label
-from qdiff.io import write_text
+from qdiff.diagnosis import diagnose
+from qdiff.io import load_array, write_text
 
 METRICS_NOTE = """\
 Every pair compares two combinations of the same model on the same prompts. Logit metrics are
@@ -185,6 +190,128 @@ def _provenance(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n\n" + _table(rows)
 
 
+def _diagnosis(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
+    findings = diagnose(records, pairs)
+    if not findings:
+        return "_Nothing to diagnose: fewer than two devices ran this model._"
+    legend = (
+        "Each line applies one rule of `src/qdiff/diagnosis.py` to the measured pairs and "
+        "shows the numbers it rests on.\n\n"
+    )
+    return legend + "\n".join(f"- **{f.rule}**: {f.text}" for f in findings)
+
+
+def _round_up(x: float) -> float:
+    """x rounded up to two significant digits."""
+    if x <= 0:
+        return 0.0
+    step = 10 ** (math.floor(math.log10(x)) - 1)
+    return round(math.ceil(x / step) * step, 12)
+
+
+def _tolerances(model: str, records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
+    """Largest cross-device difference per dequant mode, and a test tolerance."""
+    device = {label(r): r["device"] for r in records}
+    rows, snippet = [], ""
+    for dq in dict.fromkeys(r["dequant"] for r in records):
+        cross = [
+            p for p in pairs
+            if p["status"] == "ok" and p["a"].endswith(f".{dq}") and p["b"].endswith(f".{dq}")
+            and device.get(p["a"]) != device.get(p["b"])
+        ]
+        if not cross:
+            continue
+        worst = max(cross, key=lambda p: p["summary"]["max_abs"])
+        largest = worst["summary"]["max_abs"]
+        top1 = all(p["summary"]["top1_agree"] == p["summary"]["n_prompts"] for p in cross)
+        forked = sum(p["summary"]["forked"] for p in cross)
+        total = sum(p["summary"]["n_prompts"] for p in cross)
+        atol = _round_up(1.5 * largest)
+        rows.append({
+            "file": dq,
+            "largest max \\|Δ\\| between devices": f"{_num(largest)} (`{worst['a']}` vs `{worst['b']}`)",
+            "largest NMSE": _num(max(p["summary"]["nmse"] for p in cross)),
+            "top-1 always agrees": "yes" if top1 else "no",
+            "texts forked": f"{forked}/{total}",
+            "recommended atol": _num(atol),
+        })
+        if dq == "none":
+            snippet = (
+                f"```python\n# {model}: first-step logits on two devices. Largest difference seen here:\n"
+                f"# {_num(largest)} ({worst['a']} vs {worst['b']}); 1.5x that, rounded up:\n"
+                f"np.testing.assert_allclose(logits_device, logits_reference, rtol=0, atol={atol:g})\n"
+                + ("assert logits_device.argmax() == logits_reference.argmax()  "
+                   f"# held in all {total} comparisons\n" if top1 else "")
+                + f"# greedy text forked in {forked} of {total} comparisons: compare logits, not text\n```"
+            )
+    if not rows:
+        return "_Only one device ran this model: no cross-device tolerance to recommend._"
+    return _table(rows) + ("\n\n" + snippet if snippet else "")
+
+
+def _oriented(pair: dict[str, Any], reference: str) -> list[tuple[float, float, bool]]:
+    """(KL(ref‖x), Δp of ref's top token, same top token) per prompt, reference first."""
+    if pair["a"] == reference:
+        return [(q["kl"], q["dp_top"], q["top1_agree"]) for q in pair["prompts"]]
+    return [(q["kl_ba"], q["dp_top_ba"], q["top1_agree"]) for q in pair["prompts"]]
+
+
+def _reference_distance(pairs: list[dict[str, Any]], reference: str | None) -> str:
+    if reference is None:
+        return "_No reference configured (`reference:` in the config)._"
+    rows = []
+    for p in pairs:
+        if p["status"] != "ok" or reference not in (p["a"], p["b"]):
+            continue
+        other = p["b"] if p["a"] == reference else p["a"]
+        values = _oriented(p, reference)
+        kl = np.array([v[0] for v in values])
+        rows.append({
+            "combination": f"`{other}`",
+            "KL mean": _num(float(kl.mean())),
+            "KL median": _num(float(np.median(kl))),
+            "KL p99": _num(float(np.percentile(kl, 99))),
+            "KL max": _num(float(kl.max())),
+            "same top token": f"{sum(v[2] for v in values)}/{len(values)}",
+            "RMS Δp": _num(float(np.sqrt(np.mean([v[1] ** 2 for v in values])))),
+            "max \\|Δ\\|": _num(p["summary"]["max_abs"]),
+        })
+    if not rows:
+        return f"_The reference `{reference}` did not run for this model._"
+    rows.sort(key=lambda r: -float(r["KL mean"]) if r["KL mean"] not in ("0", "–") else 0)
+    return (
+        f"KL(`{reference}` ‖ combination) over prompts, as llama-perplexity reports it; Δp is "
+        "for the reference's top token.\n\n" + _table(rows)
+    )
+
+
+def _plots(model: str, records: list[dict[str, Any]], pairs: list[dict[str, Any]],
+           logits: dict[str, Path], plot_dir: Path) -> str:
+    ok = [label(r) for r in records if r["status"] == "ok"]
+    good = [p for p in pairs if p["status"] == "ok"]
+    if len(ok) < 2 or not good:
+        return "_Not enough runs to plot._"
+    index = {lab: i for i, lab in enumerate(ok)}
+    values = np.zeros((len(ok), len(ok)))
+    for p in good:
+        i, j = index[p["a"]], index[p["b"]]
+        values[i, j] = values[j, i] = p["summary"]["max_abs"]
+    heat = plot_dir / f"{model}.heatmap.png"
+    plots.heatmap(ok, values, heat, f"{model}: pairwise max |Δ|")
+    worst = max(good, key=lambda p: p["summary"]["max_abs"])
+    k = max(range(len(worst["prompts"])), key=lambda i: worst["prompts"][i]["max_abs"])
+    hist = plot_dir / f"{model}.largest-pair.png"
+    a = load_array(logits[f"{model}/{worst['a']}"])[k]
+    b = load_array(logits[f"{model}/{worst['b']}"])[k]
+    plots.delta_histogram(a, b, hist, f"{worst['a']} vs {worst['b']}, prompt {worst['prompts'][k]['prompt']}")
+    rel = plot_dir.name
+    return (
+        f"![pairwise max |Δ|]({rel}/{heat.name})\n\n"
+        f"Per-token |Δ| over the vocabulary for the largest pair, `{worst['a']}` vs "
+        f"`{worst['b']}`, on prompt `{worst['prompts'][k]['prompt']}`:\n\n![per-token |Δ|]({rel}/{hist.name})"
+    )
+
+
 def _left_out(records: list[dict[str, Any]]) -> str:
     rows = [
         {
@@ -206,7 +333,13 @@ def _left_out(records: list[dict[str, Any]]) -> str:
     )
 
 
-def render(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
+def render(
+    records: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    reference: str | None = None,
+    logits: dict[str, Path] | None = None,
+    plot_dir: Path | None = None,
+) -> str:
     models = list(dict.fromkeys(r["model"] for r in records))
     devices = list(dict.fromkeys(r["device"] for r in records))
     dequants = list(dict.fromkeys(r["dequant"] for r in records))
@@ -245,9 +378,26 @@ def render(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> str:
             "",
             _runs_table(model_records),
             "",
+            "### Diagnosis",
+            "",
+            _diagnosis(model_records, model_pairs),
+            "",
             "### Pairwise differences, largest first",
             "",
             _pairs_table(model_pairs),
+            "",
+            "### Distance from the reference",
+            "",
+            _reference_distance(model_pairs, reference),
+            "",
+            "### Tolerances for cross-device tests",
+            "",
+            _tolerances(model, model_records, model_pairs),
+            "",
+            "### Plots",
+            "",
+            _plots(model, model_records, model_pairs, logits, plot_dir)
+            if logits is not None and plot_dir is not None else "_not rendered_",
             "",
             "### Generated text",
             "",
@@ -290,7 +440,10 @@ def write_report(
     summary_path: Path,
     pairs_tsv: Path,
     runs_tsv: Path,
+    reference: str | None = None,
+    logits: dict[str, Path] | None = None,
 ) -> None:
     write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
     write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
-    write_text(summary_path, render(records, pairs))
+    plot_dir = summary_path.parent / "plots"
+    write_text(summary_path, render(records, pairs, reference, logits, plot_dir))

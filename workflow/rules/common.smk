@@ -9,7 +9,8 @@ from qdiff.config import (
     check_duplicate_keys,
     load_experiment,
 )
-from qdiff.provenance import llama_build_id
+from qdiff.compare import COMPARE_FORMAT
+from qdiff.provenance import RECORD_FORMAT, llama_build_id
 from qdiff.run import retry_token
 
 check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
@@ -126,6 +127,13 @@ def compare_inputs(wildcards):
 def all_run_records(wildcards):
     return [
         record_file(c.model, c.device, c.dequant) for c in EXPERIMENT.all_combinations()
+    ]
+
+
+def all_run_logits(wildcards):
+    return [
+        f"{run_dir(c.model, c.device, c.dequant)}/logits.npy"
+        for c in EXPERIMENT.all_combinations()
     ]
 
 

@@ -10,5 +10,7 @@ rule compare_pair:
         "results/logs/compare/{model}/{dev_a}.{dq_a}__{dev_b}.{dq_b}.log",
     conda:
         "../../envs/qdiff.yaml"
+    params:
+        format=COMPARE_FORMAT,
     script:
         "../scripts/compare_pair.py"

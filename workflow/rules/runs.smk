@@ -21,6 +21,7 @@ rule run_combination:
     params:
         spec=run_spec,
         llama_build=LLAMA_BUILD,
+        format=RECORD_FORMAT,
         retry_token=run_retry_token,
     script:
         "../scripts/run_combination.py"

@@ -13,4 +13,9 @@ write_report(
     summary_path=Path(snakemake.output.summary),
     pairs_tsv=Path(snakemake.output.pairs),
     runs_tsv=Path(snakemake.output.runs),
+    reference=snakemake.params.reference,
+    # "model/device.dequant" -> logits file (results/runs/{model}/{device}/{dequant}/logits.npy)
+    logits={
+        "{}/{}.{}".format(*Path(p).parts[-4:-1]): Path(p) for p in snakemake.input.logits
+    },
 )
