@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,10 +319,3 @@ def init_backend() -> LlamaLog:
     llama_cpp.llama_backend_init()
     return log
 
-
-def llama_cpp_version() -> str:
-    return getattr(llama_cpp, "__version__", "unknown")
-
-
-def python_version() -> str:
-    return sys.version.split()[0]
