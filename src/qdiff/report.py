@@ -446,4 +446,5 @@ def write_report(
     write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
     write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
     plot_dir = summary_path.parent / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even with nothing to plot
     write_text(summary_path, render(records, pairs, reference, logits, plot_dir))
