@@ -22,3 +22,17 @@ def test_atomic_writes_leave_no_partial_file(tmp_path: Path) -> None:
         write_text(tmp_path / "b.txt", 123)  # type: ignore[arg-type]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.npy"]
     assert oct((tmp_path / "a.npy").stat().st_mode & 0o777) != "0o600"  # shared, not private
+
+
+def test_the_workflow_side_never_loads_llama_cpp() -> None:
+    """The Snakefile and each run's supervising parent import these modules; only the
+    isolated worker may load llama.cpp's native code (a crash there must not spread)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, qdiff.config, qdiff.run, qdiff.provenance, qdiff.compare, qdiff.report\n"
+        "print('llama_cpp' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -30,7 +30,10 @@ import numpy as np
 from qdiff.io import load_array, read_json, save_array, write_json
 from qdiff.llamalog import error_lines, parse_placement, tail
 from qdiff.provenance import failure_record
-from qdiff.worker import EXIT_UNAVAILABLE
+
+# The worker's exit codes. Defined here, in the parent, so that importing this module (the
+# Snakefile does, for retry_token) never loads llama.cpp's native code.
+EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_MISPLACED = 0, 1, 3, 4
 
 
 

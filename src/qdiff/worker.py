@@ -16,9 +16,8 @@ import numpy as np
 from qdiff import engine, provenance
 from qdiff.io import read_json, save_array, write_json
 from qdiff.llamalog import error_lines, parse_placement, placement_problem
+from qdiff.run import EXIT_ERROR, EXIT_MISPLACED, EXIT_OK, EXIT_UNAVAILABLE
 from qdiff.settings import DeviceSettings
-
-EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_MISPLACED = 0, 1, 3, 4
 
 
 class WorkerFailure(Exception):
