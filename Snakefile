@@ -16,6 +16,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
 include: "workflow/rules/runs.smk"
 include: "workflow/rules/compare.smk"
+include: "workflow/rules/capture.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -53,12 +53,14 @@ class Workspace:
     def read_config(self) -> dict[str, Any]:
         return yaml.safe_load(self.config_path.read_text())
 
-    def snakemake(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def snakemake(
+        self, *args: str, check: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [
             sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
             "--directory", str(self.root), "--cores", "2", *args,
         ]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=REPO)
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
@@ -70,8 +72,8 @@ class Workspace:
         """The jobs a dry run plans, with their wildcards (the `all` target excluded)."""
         return self.planned_jobs_with()
 
-    def planned_jobs_with(self, *args: str) -> list[Job]:
-        out = self.snakemake("--dry-run", *args)
+    def planned_jobs_with(self, *args: str, env: dict[str, str] | None = None) -> list[Job]:
+        out = self.snakemake("--dry-run", *args, env=env)
         text = out.stdout + out.stderr
         jobs = []
         for block in re.split(r"\n(?=(?:local)?rule \w+:)", text):

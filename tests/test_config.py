@@ -87,10 +87,30 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
         (changed(devices__cpu__op_offload=True), "a cpu device cannot offload ops"),
         (changed(generation__n_tokens=0), "config.generation.n_tokens: 0 is less than the minimum"),
         (changed(models={"m.requant-q8_0": {"path": "a"}}), "reserved for derived models"),
+        (changed(capture={"pairs": [["cpu.none", "gpu.none"]]}),
+         "config.capture.pairs[0]: 'gpu.none' is not a configured combination"),
+        (changed(capture={"pairs": [["cpu.none"]]}), "config.capture.pairs[0]"),
+        (changed(capture={"prompts": ["nope"]}), "config.capture.prompts: 'nope' is not a prompt id"),
+        (changed(capture={"tensors": "attn_(["}), "config.capture.tensors: not a regular expression"),
+        (changed(teacher_forcing={"top_k": 1}), "config.teacher_forcing.top_k: 1 is less than the minimum"),
+        (changed(teacher_forcing={"topk": 5}), "config.teacher_forcing: unknown key 'topk'"),
     ],
 )
 def test_bad_config_names_the_key(config: dict, expected: str) -> None:
     assert expected in problems(config)
+
+
+def test_forced_and_capture_specs_depend_on_what_they_use() -> None:
+    exp = load_experiment(GOOD)
+    combo = exp.all_combinations()[1]
+    assert exp.teacher("tiny") == exp.combinations("tiny")[1]  # the reference, cpu.f32
+    forced = exp.forced_spec(combo)
+    assert forced["mode"] == "force" and forced["forcing"] == {"teacher": "cpu.f32", "top_k": 1024}
+    capture = exp.capture_spec(combo)
+    assert [p["id"] for p in capture["prompts"]] == ["rust"]  # the first prompt by default
+    assert "n_tokens" not in capture["generation"]
+    longer = load_experiment(changed(generation__n_tokens=3))
+    assert longer.capture_spec(combo) == capture and longer.forced_spec(combo) != forced
 
 
 def test_all_problems_are_reported_at_once() -> None:

@@ -43,6 +43,19 @@ def test_default_experiment_report(default_run: Workspace) -> None:
     assert "## Model `gemma-3-270m-q4_k_m`" in summary
     assert "## Model `gemma-3-270m-q4_k_m.requant-q8_0`" in summary
     assert "Every combination ran." in summary
+    # teacher forcing: the reference reproduces its own path; forks are classified
+    assert "chose that output at" in summary
+    assert "every forced first position was bit-identical to the combination's free run" in summary
+    assert "**near-tie forks**" in summary or "**red-flag fork**" in summary
+    # capture: the largest pair and the configured cpu vs cpu-fa pair are localised, exactly
+    for model in ("gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.requant-q8_0"):
+        localised = json.loads((root / f"results/localise/{model}.json").read_text())
+        pairs = {(p["a"], p["b"]): p for p in localised["pairs"]}
+        assert ("cpu.none", "cpu-fa.none") in pairs
+        for entry in pairs.values():
+            (prompt,) = entry["prompts"]
+            assert prompt["first_divergence"] is not None and prompt["capture_changed_logits"] == []
+    assert summary.count("Capturing left both combinations' logits bit-identical.") >= 3
 
 
 def test_rerun_plans_nothing(default_run: Workspace) -> None:

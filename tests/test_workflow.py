@@ -101,6 +101,8 @@ def test_report_has_every_section(finished: Workspace) -> None:
         "### Runs",
         "### Diagnosis",
         "### Pairwise differences, largest first",
+        "### Teacher-forced comparison",
+        "### Where the largest pair parts: op by op",
         "### Distance from the reference",
         "### Tolerances for cross-device tests",
         "### Plots",
@@ -123,12 +125,54 @@ def test_report_has_every_section(finished: Workspace) -> None:
     assert len(pairs) == 1 + 12 * 2  # header + 12 pairs x 2 prompts
     # largest difference first in each model's pair table
     section = text.split("## Model `tiny.requant-q8_0`")[1]
-    section = section.split("### Pairwise differences")[1].split("### Generated text")[0]
+    section = section.split("### Pairwise differences")[1].split("### Teacher-forced")[0]
     values = [
         float(line.split("|")[4]) for line in section.splitlines()
         if line.startswith("| `")
     ]
     assert values == sorted(values, reverse=True)
+
+
+def forced_record(ws: Workspace, model: str, device: str, dequant: str) -> dict:
+    return json.loads((ws.root / f"results/forced/{model}/{device}/{dequant}/record.json").read_text())
+
+
+def test_teacher_forcing_compares_every_position(finished: Workspace) -> None:
+    for model in ("tiny", "tiny.requant-q8_0"):
+        teacher = forced_record(finished, model, "cpu", "f32")
+        assert teacher["teacher"] == "cpu.f32" and teacher["n_positions"] == 16
+        # the teacher, fed its own greedy output, chooses it again at every position
+        assert teacher["agrees_with_teacher_tokens"] == 16
+        for device in ("cpu", "cpu-fa"):
+            for dq in ("none", "f32"):
+                rec = forced_record(finished, model, device, dq)
+                assert rec["status"] == "ok"
+                # forcing takes generation's arithmetic path: position 0 is the free run's
+                assert rec["first_step_identical_to_free_run"] == 2
+    # tiny is an F32 file, so its f32 copy holds the same weights: identical everywhere
+    same = pair(finished, "tiny", "cpu.none", "cpu.f32")["forced"]
+    assert same["bit_identical"] == same["n_positions"] == 16 and same["max_abs"] == 0
+    fa = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu-fa.none")["forced"]
+    assert fa["status"] == "ok" and fa["n_positions"] == 16 and fa["bit_identical"] == 0
+    assert len(fa["per_position"]) == 8 and fa["max_abs"] > 0
+    assert fa["top1_agree"] + len(fa["forks"]) == 16
+    text = (finished.root / "results/summary.md").read_text()
+    assert "Every combination was fed the greedy output of `cpu.f32`" in text
+    assert "chose that output at 16/16 positions" in text
+    assert (finished.root / "results/plots/tiny.requant-q8_0.forced-positions.png").stat().st_size > 5000
+
+
+def test_teacher_forcing_settings_rerun_only_the_forced_passes(finished: Workspace, tmp_path: Path) -> None:
+    ws = finished.copy_to(tmp_path / "ws")
+    config = ws.read_config()
+    config["teacher_forcing"] = {"top_k": 16}
+    ws.write_config(config)
+    assert by_rule(ws.planned_jobs()) == Counter(
+        force_combination=8, compare_pair=12, localise_model=2, report=1
+    )
+    config["teacher_forcing"] = {"enabled": False}
+    ws.write_config(config)
+    assert by_rule(ws.planned_jobs()) == Counter(compare_pair=12, localise_model=2, report=1)
 
 
 def test_nothing_to_do_after_a_complete_run(finished: Workspace) -> None:
@@ -143,7 +187,8 @@ def test_adding_a_model_runs_only_that_model(finished: Workspace, tmp_path: Path
     jobs = ws.planned_jobs()
     assert {j.wildcards.get("model") for j in jobs if j.rule != "report"} == {"other"}
     assert by_rule(jobs) == Counter(
-        fetch_model=1, dequantize_model=1, run_combination=4, compare_pair=6, report=1
+        fetch_model=1, dequantize_model=1, run_combination=4, force_combination=4,
+        capture_combination=4, compare_pair=6, localise_model=1, report=1,
     )
 
 
@@ -159,6 +204,10 @@ def test_changing_one_device_reruns_only_its_runs_and_pairs(finished: Workspace,
     compares = [j for j in jobs if j.rule == "compare_pair"]
     assert all("cpu-fa" in (j.wildcards["dev_a"], j.wildcards["dev_b"]) for j in compares)
     assert len(compares) == 2 * 5  # per model: the 5 of 6 pairs that involve cpu-fa
+    for rule in ("force_combination", "capture_combination"):
+        again = [j for j in jobs if j.rule == rule]
+        assert {j.wildcards["device"] for j in again} == {"cpu-fa"} and len(again) == 4
+    assert by_rule(jobs)["localise_model"] == 2
     assert by_rule(jobs)["report"] == 1
     assert not {"fetch_model", "requantize_model", "dequantize_model"} & set(by_rule(jobs))
 
@@ -176,7 +225,10 @@ def test_changing_prompts_or_token_count_reruns_runs(finished: Workspace, tmp_pa
     change(config)
     ws.write_config(config)
     counts = by_rule(ws.planned_jobs())
-    assert counts == Counter(run_combination=8, compare_pair=12, report=1)
+    # a capture covers one prompt's forward pass, so it does not rerun
+    assert counts == Counter(
+        run_combination=8, force_combination=8, compare_pair=12, localise_model=2, report=1
+    )
 
 
 def test_repeated_runs_report_bit_identity(workspace: Workspace, tiny_gguf: Path) -> None:
@@ -191,3 +243,52 @@ def test_repeated_runs_report_bit_identity(workspace: Workspace, tiny_gguf: Path
     log = (workspace.root / "results/logs/run/tiny.requant-q8_0/cpu/none.log").read_text()
     assert log.count("[qdiff] prompt rust") == 3
     assert "3× bit-identical" in (workspace.root / "results/summary.md").read_text()
+
+
+def test_capture_localises_the_attention_kernel_change(finished: Workspace) -> None:
+    """cpu and cpu-fa differ in one kernel choice: plain attention ops vs flash attention.
+    The localisation must point there, and capturing must not change the logits."""
+    for model in ("tiny", "tiny.requant-q8_0"):
+        for device in ("cpu", "cpu-fa"):
+            for dq in ("none", "f32"):
+                rec = json.loads((finished.root / f"results/capture/{model}/{device}/{dq}/record.json").read_text())
+                assert rec["status"] == "ok"
+                (prompt,) = rec["prompts"]
+                assert prompt["id"] == "rust" and len(prompt["tensors"]) > 30
+                assert prompt["logits_identical_with_capture"] is True
+                assert prompt["logits_max_abs_with_capture"] == 0.0
+    localised = json.loads((finished.root / "results/localise/tiny.requant-q8_0.json").read_text())
+    (entry,) = [e for e in localised["pairs"] if {e["a"], e["b"]} == {"cpu.none", "cpu-fa.none"}]
+    assert entry["status"] == "ok" and entry["floor"] == ["cpu.f32", "cpu-fa.f32"]
+    (q,) = entry["prompts"]
+    first = q["first_difference"]
+    # everything before layer 0's attention is bit-identical; the graphs differ right there
+    assert all(r["identical"] for r in q["rows"][: first["index"]])
+    assert first["layer"] == 0
+    families = " ".join(first["only_a_before"] + first["only_b_before"])
+    assert "soft_max" in families and "flash-attention kernel" in families
+    text = (finished.root / "results/summary.md").read_text()
+    assert "FLASH_ATTN_EXT (unnamed) (attention (flash-attention kernel))" in text
+    assert "Capturing left both combinations' logits bit-identical." in text
+    assert (finished.root / "results/plots/tiny.requant-q8_0.depth.cpu.none__cpu-fa.none.rust.png").exists()
+
+
+def test_capture_of_two_identical_configurations_finds_no_divergence(
+    workspace: Workspace, tiny_gguf: Path
+) -> None:
+    config = tiny_config(
+        tiny_gguf,
+        devices={"cpu": {"backend": "cpu", "threads": 1}, "cpu-again": {"backend": "cpu", "threads": 1}},
+        dequant=["none"],
+        capture={"pairs": [["cpu.none", "cpu-again.none"]]},
+        teacher_forcing={"enabled": False},
+    )
+    config["models"]["tiny"].pop("requantize")
+    workspace.write_config(config)
+    workspace.snakemake()
+    localised = json.loads((workspace.root / "results/localise/tiny.json").read_text())
+    (entry,) = localised["pairs"]
+    (q,) = entry["prompts"]
+    assert q["first_difference"] is None and q["first_divergence"] is None
+    assert all(r["identical"] for r in q["rows"]) and len(q["rows"]) > 30
+    assert "Every captured tensor is bit-identical" in (workspace.root / "results/summary.md").read_text()

@@ -6,11 +6,12 @@ from typing import Any
 
 import numpy as np
 
+from qdiff.forcing import compare_forced
 from qdiff.metrics import fork_step, logit_metrics
 
 # Bump when a comparison's fields change: it is a param of the compare rule, so existing
 # comparisons are recomputed instead of reaching the report without the new fields.
-COMPARE_FORMAT = 2
+COMPARE_FORMAT = 3
 
 
 def label(record: dict[str, Any]) -> str:
@@ -102,3 +103,16 @@ def compare_runs(
         "median_fork_step": float(np.median(forks)) if forks else None,
     }
     return {**pair, "status": "ok", "summary": summary, "prompts": prompts}
+
+
+def compare_forced_runs(
+    rec_a: dict[str, Any], data_a: dict[str, np.ndarray],
+    rec_b: dict[str, Any], data_b: dict[str, np.ndarray],
+) -> dict[str, Any]:
+    """The teacher-forced part of a pair (qdiff.forcing), or why there is none."""
+    not_ok = [f"{label(r)} {r['status']}" for r in (rec_a, rec_b) if r["status"] != "ok"]
+    if not_ok:
+        return {"status": "n/a", "reason": "teacher-forced " + "; ".join(not_ok)}
+    if rec_a["prompt_ids"] != rec_b["prompt_ids"]:
+        return {"status": "n/a", "reason": "the forced passes ran different prompts"}
+    return {"teacher": rec_a["teacher"], **compare_forced(data_a, data_b, rec_a["prompt_ids"])}

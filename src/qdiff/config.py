@@ -84,6 +84,38 @@ class Experiment:
     run_timeout_s: float
     repeats: int = 1
     reference: str | None = None  # "device.dequant" the report measures everything against
+    teacher_forcing: dict[str, Any] | None = None  # {"enabled": bool, "top_k": int}
+    capture: dict[str, Any] | None = None  # {"enabled", "prompts", "tensors", "pairs"}
+
+    @property
+    def capture_enabled(self) -> bool:
+        return bool(self.capture and self.capture["enabled"])
+
+    def capture_spec(self, combo: Combination) -> dict[str, Any]:
+        """A tensor capture's params: the run's, minus repeats, plus what to capture."""
+        assert self.capture is not None
+        spec = {k: v for k, v in self.run_spec(combo).items() if k != "repeats"}
+        prompts = self.capture["prompts"] or [self.prompts[0].id]
+        return {
+            **spec,
+            "prompts": [p for p in spec["prompts"] if p["id"] in prompts],
+            # one forward pass over the prompt: the number of tokens to generate is moot
+            "generation": {k: v for k, v in spec["generation"].items() if k != "n_tokens"},
+            "mode": "capture",
+            "capture": {"prompts": prompts, "tensors": self.capture["tensors"]},
+        }
+
+    @property
+    def forcing_enabled(self) -> bool:
+        return bool(self.teacher_forcing and self.teacher_forcing["enabled"])
+
+    def teacher(self, model: str) -> Combination:
+        """The combination whose greedy output every other is forced along (qdiff.forcing):
+        the reference, or else the model's first combination."""
+        if self.reference:
+            device, _, dequant = self.reference.rpartition(".")
+            return Combination(model, device, dequant)
+        return self.combinations(model)[0]
 
     def combinations(self, model: str) -> list[Combination]:
         return [
@@ -110,6 +142,17 @@ class Experiment:
             "timeout_s": self.run_timeout_s,
             # only when asked for, so that existing runs keep their params (and their cache)
             **({"repeats": self.repeats} if self.repeats > 1 else {}),
+        }
+
+    def forced_spec(self, combo: Combination) -> dict[str, Any]:
+        """A teacher-forced pass's params: the run's, minus repeats, plus the teacher."""
+        spec = {k: v for k, v in self.run_spec(combo).items() if k != "repeats"}
+        teacher = self.teacher(combo.model)
+        assert self.teacher_forcing is not None
+        return {
+            **spec,
+            "mode": "force",
+            "forcing": {"teacher": teacher.label, "top_k": self.teacher_forcing["top_k"]},
         }
 
 
@@ -297,6 +340,28 @@ def _reference(
     return data["reference"]
 
 
+def _check_capture(
+    capture: dict[str, Any], devices: dict[str, DeviceSettings], dequant: list[str],
+    prompts: tuple[Prompt, ...], problems: list[str],
+) -> None:
+    known = {p.id for p in prompts}
+    for pid in capture["prompts"]:
+        if known and pid not in known:
+            problems.append(f"config.capture.prompts: {pid!r} is not a prompt id")
+    try:
+        re.compile(capture["tensors"])
+    except re.error as exc:
+        problems.append(f"config.capture.tensors: not a regular expression: {exc}")
+    labels = {f"{d}.{q}" for d in devices for q in dequant}
+    for i, pair in enumerate(capture["pairs"]):
+        for item in pair:
+            if item not in labels:
+                problems.append(
+                    f"config.capture.pairs[{i}]: {item!r} is not a configured combination "
+                    "(write device.dequant, e.g. cpu.none)"
+                )
+
+
 def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Experiment:
     """Validate ``config`` (a parsed config.yaml) and expand it, or raise ConfigError."""
     data = copy.deepcopy(config)
@@ -307,6 +372,7 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
     devices = _device_settings(data["devices"], problems)
     prompts = _prompts(data["prompts"], Path(base_dir), problems)
     reference = _reference(data, devices, problems)
+    _check_capture(data["capture"], devices, data["dequant"], prompts, problems)
     if problems:
         raise ConfigError(problems)
     return Experiment(
@@ -319,6 +385,8 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
         run_timeout_s=float(data["run_timeout_s"]),
         repeats=data["repeats"],
         reference=reference,
+        teacher_forcing=data["teacher_forcing"],
+        capture=data["capture"],
     )
 
 

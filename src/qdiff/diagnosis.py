@@ -15,6 +15,10 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
   least ``COMPARABLE`` times as much as a change of backend does, so "the device" is not the
   only cause of forks.
 - ``unexplained``: a cross-backend difference that none of the rules above accounts for.
+- ``red-flag fork`` / ``near-tie forks``: along the teacher's text (qdiff.forcing), a fork
+  whose margin exceeds ``TIE_FACTOR`` times the pair's median max |Δ| at the positions where
+  it differs is a red flag, named with its prompt and position; when every fork is within that, the forks are
+  near ties that ordinary rounding differences flip.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
+
+from qdiff.forcing import TIE_FACTOR
 
 AMPLIFICATION = 10.0
 COMPARABLE = 0.5
@@ -198,6 +204,40 @@ def _device_blame(m: Matrix, d1: str, d2: str) -> Finding | None:
     )
 
 
+def _forks(pairs: list[dict[str, Any]]) -> list[Finding]:
+    forced = [p for p in pairs if p.get("forced", {}).get("status") == "ok"]
+    flagged = [p for p in forced if p["forced"]["red_flags"]]
+    findings = []
+    for p in flagged:
+        f = p["forced"]
+        worst = max((x for x in f["forks"] if x["kind"] == "red flag"), key=lambda x: x["margin"])
+        findings.append(Finding(
+            "red-flag fork",
+            f"`{p['a']}` vs `{p['b']}`: {f['red_flags']} of {len(f['forks'])} forks along the "
+            f"teacher's text had a margin above {_fmt(f['tie_threshold'])} ({TIE_FACTOR:g}× the "
+            f"pair's median max |Δ| at the positions where it differs, "
+            f"{_fmt(f['max_abs_median_differing'])}); the largest, "
+            f"{_fmt(worst['margin'])} at prompt `{worst['prompt']}` position {worst['position']}, "
+            "needed a difference far above this pair's typical one: look at that position.",
+            {"red_flags": f["red_flags"], "margin": worst["margin"]},
+        ))
+    forked = [p for p in forced if p["forced"]["forks"]]
+    if forked and not flagged:
+        n = sum(len(p["forced"]["forks"]) for p in forked)
+        top = max(forked, key=lambda p: max(x["margin"] for x in p["forced"]["forks"]))
+        margin = max(x["margin"] for x in top["forced"]["forks"])
+        findings.append(Finding(
+            "near-tie forks",
+            f"along the teacher's text, all {n} forks of the {len(forked)} pairs that forked "
+            f"were near ties (margin at most {TIE_FACTOR:g}× the pair's median max |Δ| at the "
+            f"positions where it differs; largest margin {_fmt(margin)}, `{top['a']}` vs `{top['b']}`, threshold "
+            f"{_fmt(top['forced']['tie_threshold'])}): the texts part where the model was nearly "
+            "tied, as rounding differences of this size are expected to do.",
+            {"forks": n, "largest_margin": margin},
+        ))
+    return findings
+
+
 def diagnose(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> list[Finding]:
     """All findings for one model, device pair by device pair, in matrix order."""
     m = Matrix(records, pairs)
@@ -219,4 +259,4 @@ def diagnose(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> list
                 )
             )
         findings += found
-    return findings
+    return findings + _forks(pairs)

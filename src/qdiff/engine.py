@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -63,14 +66,17 @@ class BackendDevice:
     registry: str  # "CPU", "CUDA", "Metal", "Vulkan", "BLAS", ...
 
 
-def _libggml() -> ctypes.CDLL:
+def _shared_library(stem: str) -> ctypes.CDLL:
+    """One of the ggml libraries bundled with llama-cpp-python (e.g. "ggml", "ggml-base")."""
     libdir = Path(llama_cpp.__file__).parent / "lib"
-    for name in ("libggml.so", "libggml.dylib", "ggml.dll"):
+    for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll"):
         if (libdir / name).exists():
-            lib = ctypes.CDLL(str(libdir / name))
-            break
-    else:
-        raise RuntimeError(f"libggml not found in {libdir}")
+            return ctypes.CDLL(str(libdir / name))
+    raise RuntimeError(f"lib{stem} not found in {libdir}")
+
+
+def _libggml() -> ctypes.CDLL:
+    lib = _shared_library("ggml")
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
@@ -128,7 +134,7 @@ def _model_params(device: DeviceSettings) -> llama_cpp.llama_model_params:
 
 
 def _context_params(
-    device: DeviceSettings, n_ctx: int
+    device: DeviceSettings, n_ctx: int, eval_callback: Any = None
 ) -> llama_cpp.llama_context_params:
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx
@@ -148,6 +154,8 @@ def _context_params(
     params.type_k = KV_TYPES[device.kv_cache_type]
     params.type_v = KV_TYPES[device.kv_cache_type]
     params.no_perf = True
+    if eval_callback is not None:
+        params.cb_eval = eval_callback
     return params
 
 
@@ -187,6 +195,22 @@ class LoadedModel:
         self.load_seconds = time.perf_counter() - start
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+    def set_eval_callback(self, callback: Any) -> None:
+        """Recreate the context with llama.cpp's eval callback (cb_eval), or without (None)."""
+        llama_cpp.llama_free(self._ctx)
+        self._ctx = llama_cpp.llama_init_from_model(
+            self._model, _context_params(self.device, self.n_ctx, callback)
+        )
+        if not self._ctx:
+            raise ModelLoadError("llama.cpp could not create a context with an eval callback")
+
+    def prefill(self, prompt_tokens: list[int]) -> tuple[np.ndarray, float]:
+        """Decode the prompt from an empty cache: the first-step logits and the seconds."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
+        start = time.perf_counter()
+        self._decode(prompt_tokens)
+        return self._last_logits(), time.perf_counter() - start
 
     def close(self) -> None:
         if self._ctx:
@@ -274,16 +298,8 @@ class LoadedModel:
 
     def generate(self, prompt_tokens: list[int], n_new: int) -> Generation:
         """Greedy decoding (argmax, lowest id on ties) from an empty KV cache."""
-        if len(prompt_tokens) + n_new > self.n_ctx:
-            raise ValueError(
-                f"prompt ({len(prompt_tokens)} tokens) + {n_new} new tokens exceed "
-                f"generation.n_ctx = {self.n_ctx}"
-            )
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
-        start = time.perf_counter()
-        self._decode(prompt_tokens)
-        first_logits = self._last_logits()
-        prompt_seconds = time.perf_counter() - start
+        self._check_context(len(prompt_tokens), n_new, "new tokens")
+        first_logits, prompt_seconds = self.prefill(prompt_tokens)
 
         logits, tokens, decode_seconds, stopped = first_logits, [], [], False
         while True:
@@ -308,9 +324,164 @@ class LoadedModel:
             stopped_at_eog=stopped,
         )
 
+    def force(
+        self, prompt_tokens: list[int], forced: list[int], on_logits: Callable[[np.ndarray], None]
+    ) -> float:
+        """Teacher forcing: decode the prompt, then feed ``forced`` one token at a time,
+        calling ``on_logits`` with the logits that predict each forced token. Token by token,
+        like ``generate``, so the arithmetic path (batch size 1 per step) is the same and
+        a combination forced along its own greedy output reproduces its own logits.
+        Returns the seconds spent."""
+        self._check_context(len(prompt_tokens), len(forced), "forced tokens")
+        start = time.perf_counter()
+        logits, _ = self.prefill(prompt_tokens)
+        for i, token in enumerate(forced):
+            on_logits(logits)
+            if i + 1 < len(forced):
+                self._decode([token])
+                logits = self._last_logits()
+        return time.perf_counter() - start
+
+    def _check_context(self, n_prompt: int, n_more: int, what: str) -> None:
+        if n_prompt + n_more > self.n_ctx:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + {n_more} {what} exceed "
+                f"generation.n_ctx = {self.n_ctx}"
+            )
+
 
 class ModelLoadError(RuntimeError):
     pass
+
+
+class _GgmlTensor(ctypes.Structure):
+    """The head of ggml.h's ``struct ggml_tensor``, up to its name (checked on every read
+    against ggml_get_name and ggml_nelements, so a layout change fails loudly)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+_FLOAT_TYPES = {0: np.float32, 1: np.float16}  # GGML_TYPE_F32, GGML_TYPE_F16 (BF16 below)
+GGML_TYPE_BF16 = 30
+# llama.cpp's names for reshaped, permuted or viewed tensors: no new arithmetic
+_DERIVED_NAME = re.compile(r"\((view|permuted|reshaped|transposed|cont|copy)[^)]*\)$")
+_UNNAMED = re.compile(r"^(node|leaf)_\d+$")  # ggml's default names, numbered per graph
+_NO_ARITHMETIC = {"NONE", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"}
+KEEP_WHOLE_MAX = 1 << 20  # elements; larger tensors without a token axis are skipped
+
+
+@dataclass
+class CapturedTensor:
+    name: str
+    op: str
+    type: str
+    ne: list[int]  # ggml order: ne[0] is the contiguous dimension
+    weight: str | None  # a matmul's weight tensor and its type, e.g. "blk.0.attn_q.weight q4_K"
+    kept: str  # "last position" or "whole"
+    values: np.ndarray
+
+
+class TensorCapture:
+    """Reads named intermediate tensors of a forward pass through llama.cpp's eval callback
+    (``cb_eval``, the mechanism behind llama-eval-callback). For each tensor whose name
+    matches ``pattern`` it keeps the values of the last token position, or the whole tensor
+    when it has no token axis (e.g. the last layer after llama.cpp drops unused rows)."""
+
+    def __init__(self, pattern: str) -> None:
+        self.pattern = re.compile(pattern)
+        self.lib = _libggml_base()
+        self.n_tokens = 0
+        self.tensors: list[CapturedTensor] = []
+        self.error: BaseException | None = None
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
+
+    def start(self, n_tokens: int) -> None:
+        self.n_tokens, self.tensors, self.error = n_tokens, [], None
+
+    def _wanted(self, t: _GgmlTensor, name: str, address: int) -> bool:
+        return (
+            bool(self.pattern.search(name))
+            and self.lib.ggml_op_desc(address).decode() not in _NO_ARITHMETIC
+            and not _DERIVED_NAME.search(name)
+            and (t.type in _FLOAT_TYPES or t.type == GGML_TYPE_BF16)
+            and bool(self.lib.ggml_is_contiguous(address))
+        )
+
+    def _on_eval(self, address: int, ask: bool, user_data: int) -> bool:
+        try:
+            t = _GgmlTensor.from_address(address)
+            name = t.name.decode("utf-8", errors="replace")
+            if _UNNAMED.match(name):  # e.g. the flash-attention node: name it by its op
+                name = f"{self.lib.ggml_op_desc(address).decode()} (unnamed)"
+            if ask:
+                return self._wanted(t, name, address)
+            self.tensors.append(self._read(t, name, address))
+        except BaseException as exc:  # never let an exception unwind through C
+            self.error = self.error or exc
+        return True
+
+    def _read(self, t: _GgmlTensor, name: str, address: int) -> CapturedTensor:
+        lib = self.lib
+        ne = [int(x) for x in t.ne]
+        real_name = lib.ggml_get_name(address).decode(errors="replace")
+        if (real_name != name and not _UNNAMED.match(real_name)) or int(
+            lib.ggml_nelements(address)
+        ) != int(np.prod(ne)):
+            raise RuntimeError("struct ggml_tensor layout differs from qdiff's: update engine._GgmlTensor")
+        raw = np.empty(int(lib.ggml_nbytes(address)), dtype=np.uint8)
+        lib.ggml_backend_tensor_get(address, raw.ctypes.data, 0, raw.size)
+        if t.type == GGML_TYPE_BF16:
+            values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = raw.view(_FLOAT_TYPES[t.type]).astype(np.float32)
+        array = values.reshape(ne[::-1])
+        axis = next((d for d in (1, 2, 3) if ne[d] == self.n_tokens), None)
+        if axis is not None:
+            kept, values = "last position", np.take(array, self.n_tokens - 1, axis=3 - axis).ravel()
+        elif values.size <= KEEP_WHOLE_MAX:
+            kept = "whole"
+        else:
+            kept, values = "skipped (no token axis, too large)", np.zeros(0, np.float32)
+        weight = None
+        op = lib.ggml_op_desc(address).decode()
+        if op in ("MUL_MAT", "MUL_MAT_ID") and t.src[0]:
+            w = _GgmlTensor.from_address(t.src[0])
+            weight = f"{w.name.decode(errors='replace')} {lib.ggml_type_name(w.type).decode()}"
+        return CapturedTensor(
+            name=name, op=op, type=lib.ggml_type_name(t.type).decode(), ne=ne,
+            weight=weight, kept=kept, values=np.ascontiguousarray(values, dtype=np.float32),
+        )
+
+
+def _libggml_base() -> ctypes.CDLL:
+    lib = _shared_library("ggml-base")
+    for fn, restype in (
+        ("ggml_get_name", ctypes.c_char_p), ("ggml_op_desc", ctypes.c_char_p),
+        ("ggml_nelements", ctypes.c_int64), ("ggml_nbytes", ctypes.c_size_t),
+        ("ggml_is_contiguous", ctypes.c_bool),
+    ):
+        getattr(lib, fn).restype = restype
+        getattr(lib, fn).argtypes = [ctypes.c_void_p]
+    lib.ggml_type_name.restype = ctypes.c_char_p
+    lib.ggml_type_name.argtypes = [ctypes.c_int]
+    lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_backend_tensor_get.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t
+    ]
+    return lib
 
 
 def init_backend() -> LlamaLog:

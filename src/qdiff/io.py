@@ -54,3 +54,14 @@ def save_array(path: Path, array: np.ndarray) -> None:
 def load_array(path: Path) -> np.ndarray:
     """Load a .npy file; object arrays (which need pickle) are refused."""
     return np.load(path, allow_pickle=False)
+
+
+def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Several named arrays in one uncompressed .npz file."""
+    _atomic(path, "wb", lambda f: np.savez(f, **arrays))
+
+
+def load_arrays(path: Path) -> dict[str, np.ndarray]:
+    """All arrays of a .npz file, read at once; object arrays are refused."""
+    with np.load(path, allow_pickle=False) as data:
+        return {name: data[name] for name in data.files}

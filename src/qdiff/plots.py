@@ -11,6 +11,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _log_scale_if_positive(ax: plt.Axes) -> None:
+    """Log y axis, unless every plotted value is zero (bit-identical: nothing to log-scale)."""
+    values = [v for line in ax.get_lines() for v in np.asarray(line.get_ydata(), dtype=float)]
+    if any(np.isfinite(v) and v > 0 for v in values):
+        ax.set_yscale("log")
+
+
+def _finish_lines(fig: plt.Figure, ax: plt.Axes, title: str, path: Path) -> None:
+    """Log-scale (when there is anything above zero), title, legend, save, close."""
+    _log_scale_if_positive(ax)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def heatmap(labels: list[str], values: np.ndarray, path: Path, title: str) -> None:
     """Pairwise max |Δ| matrix, log-scaled; 0 means bit-identical."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,3 +64,37 @@ def delta_histogram(a: np.ndarray, b: np.ndarray, path: Path, title: str) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def forced_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, title: str) -> None:
+    """Median per-position max |Δ| along the teacher's text, one line per pair."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (positions, values) in curves.items():
+        shown = [v if v > 0 else np.nan for v in values]  # log scale: 0 is bit-identical
+        ax.plot(positions, shown, marker="o", markersize=3, label=name)
+    ax.set_xlabel("generated position (teacher-forced)")
+    ax.set_ylabel("median over prompts of max |Δ logit|")
+    _finish_lines(fig, ax, title, path)
+
+
+def depth_profile(
+    rows: list[dict], floor_label: str | None, marked: int | None, path: Path, title: str
+) -> None:
+    """NMSE of each captured tensor in graph order, with the floor pair's and the first
+    divergence marked; x ticks at the layer outputs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    x = [r["index"] for r in rows]
+    ax.plot(x, [r["nmse"] or np.nan for r in rows], lw=1, label="pair")
+    if floor_label:
+        ax.plot(x, [r.get("floor_nmse") or np.nan for r in rows], lw=1, color="grey",
+                label=f"floor: {floor_label}")
+    if marked is not None:
+        ax.axvline(marked, color="red", ls="--", lw=1, label="first divergence")
+    ticks = [(r["index"], r["name"]) for r in rows if r["name"].startswith("l_out-")]
+    step = max(1, len(ticks) // 12)
+    ax.set_xticks([t[0] for t in ticks[::step]], [t[1] for t in ticks[::step]], rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("NMSE vs a (last position)")
+    ax.set_xlabel("captured tensor, graph order")
+    _finish_lines(fig, ax, title, path)

@@ -70,38 +70,14 @@ def machine() -> dict[str, Any]:
     }
 
 
-def success_record(
-    spec: dict[str, Any],
-    results: list[tuple[dict[str, Any], Any]],
-    loaded: Any,
-    placement: Any,
-    used_devices: list[Any],
+def run_provenance(
+    spec: dict[str, Any], loaded: Any, placement: Any, used_devices: list[Any],
     all_devices: list[Any],
 ) -> dict[str, Any]:
+    """Where and how a loaded model ran: versions, machine, devices, buffers, kernels."""
     from qdiff import engine  # native: only inside the worker
     from qdiff.llamalog import cpu_features
 
-    prompts = []
-    decode_total, decode_steps, prompt_total = 0.0, 0, 0.0
-    for prompt, gen in results:
-        prompts.append(
-            {
-                "id": prompt["id"],
-                "prompt_text": prompt["text"],
-                "n_prompt_tokens": len(gen.prompt_tokens),
-                "tokens": gen.tokens,
-                "text": gen.text,
-                "stopped_at_eog": gen.stopped_at_eog,
-                "prompt_ms": round(1000 * gen.prompt_seconds, 3),
-                "decode_ms_per_token": (
-                    round(1000 * float(np.mean(gen.decode_seconds)), 3)
-                    if gen.decode_seconds else None
-                ),
-            }
-        )
-        decode_total += sum(gen.decode_seconds)
-        decode_steps += len(gen.decode_seconds)
-        prompt_total += gen.prompt_seconds
     sysinfo = engine.system_info()
     settings = spec["settings"]
     record_provenance = {
@@ -131,29 +107,11 @@ def success_record(
     }
     if settings["backend"] == "cuda":
         record_provenance["nvidia_smi"] = nvidia_smi()
-    return {
-        "qdiff_record": RECORD_FORMAT,
-        "status": "ok",
-        "model": spec["model"],
-        "device": spec["device"],
-        "dequant": spec["dequant"],
-        "settings": {**settings, "env": redact_env(settings.get("env", {}))},
-        "generation": spec["generation"],
-        "prompts": prompts,
-        "timings": {
-            "load_s": round(loaded.load_seconds, 4),
-            "prompt_ms_mean": round(1000 * prompt_total / max(len(results), 1), 3),
-            "decode_ms_per_token": (
-                round(1000 * decode_total / decode_steps, 3) if decode_steps else None
-            ),
-        },
-        "provenance": record_provenance,
-    }
+    return record_provenance
 
 
-def failure_record(
-    spec: dict[str, Any], status: str, error: dict[str, Any]
-) -> dict[str, Any]:
+def record_head(spec: dict[str, Any], status: str) -> dict[str, Any]:
+    """The fields every record of a combination starts with."""
     settings = spec["settings"]
     return {
         "qdiff_record": RECORD_FORMAT,
@@ -163,6 +121,55 @@ def failure_record(
         "dequant": spec["dequant"],
         "settings": {**settings, "env": redact_env(settings.get("env", {}))},
         "generation": spec["generation"],
+    }
+
+
+def success_record(
+    spec: dict[str, Any],
+    results: list[tuple[dict[str, Any], Any]],
+    loaded: Any,
+    provenance: dict[str, Any],
+) -> dict[str, Any]:
+    prompts = []
+    decode_total, decode_steps, prompt_total = 0.0, 0, 0.0
+    for prompt, gen in results:
+        prompts.append(
+            {
+                "id": prompt["id"],
+                "prompt_text": prompt["text"],
+                "n_prompt_tokens": len(gen.prompt_tokens),
+                "tokens": gen.tokens,
+                "text": gen.text,
+                "stopped_at_eog": gen.stopped_at_eog,
+                "prompt_ms": round(1000 * gen.prompt_seconds, 3),
+                "decode_ms_per_token": (
+                    round(1000 * float(np.mean(gen.decode_seconds)), 3)
+                    if gen.decode_seconds else None
+                ),
+            }
+        )
+        decode_total += sum(gen.decode_seconds)
+        decode_steps += len(gen.decode_seconds)
+        prompt_total += gen.prompt_seconds
+    return {
+        **record_head(spec, "ok"),
+        "prompts": prompts,
+        "timings": {
+            "load_s": round(loaded.load_seconds, 4),
+            "prompt_ms_mean": round(1000 * prompt_total / max(len(results), 1), 3),
+            "decode_ms_per_token": (
+                round(1000 * decode_total / decode_steps, 3) if decode_steps else None
+            ),
+        },
+        "provenance": provenance,
+    }
+
+
+def failure_record(
+    spec: dict[str, Any], status: str, error: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        **record_head(spec, status),
         "prompts": [],
         "timings": {},
         "error": error,

@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from qdiff import plots
+from qdiff import forcing, plots
+from qdiff import localise as localise_lib
 from qdiff.compare import label
 from qdiff.diagnosis import diagnose
 from qdiff.io import load_array, write_text
@@ -312,6 +313,172 @@ def _plots(model: str, records: list[dict[str, Any]], pairs: list[dict[str, Any]
     )
 
 
+def _piece(pieces: dict[str, str], token: int) -> str:
+    return f"`{_cell(repr(pieces.get(str(token), '?')))}`"
+
+
+def _forced(model: str, forced: list[dict[str, Any]], pairs: list[dict[str, Any]],
+            plot_dir: Path | None) -> str:
+    """The teacher-forced comparison of one model (qdiff.forcing)."""
+    ok = [r for r in forced if r["status"] == "ok"]
+    good = [p for p in pairs if p.get("forced", {}).get("status") == "ok"]
+    if not ok or not good:
+        reasons = sorted({r.get("error", {}).get("message", "") for r in forced if r["status"] != "ok"})
+        return "_No teacher-forced comparison" + (f": {'; '.join(reasons)}" if reasons else "") + "._"
+    teacher = ok[0]["teacher"]
+    own = next((r for r in ok if label(r) == teacher), None)
+    k = ok[0]["top_k"]
+    checks = [
+        f"{label(r)} {r['first_step_identical_to_free_run']}/{len(r['prompt_ids'])}"
+        for r in ok if r["first_step_identical_to_free_run"] != len(r["prompt_ids"])
+    ]
+    lines = [
+        f"Every combination was fed the greedy output of `{teacher}` token by token "
+        f"({ok[0]['n_positions']} positions over {len(ok[0]['prompt_ids'])} prompts), so the "
+        "logits compare at every generated position, not only the first. Per position qdiff "
+        f"keeps the logits of the teacher's {k} most likely tokens (**max \\|Δ\\|** is over "
+        "those), each side's exact top-2, and the full log-sum-exp (**KL** is KL(a‖b) over those "
+        "tokens plus one bucket for the rest, a lower bound of the full KL). A **fork** is a "
+        "position whose top-1 tokens differ; its **margin** is the larger of the two sides' "
+        "lead of their own token over the other's. A fork is a **near tie** when the margin is "
+        f"at most {forcing.TIE_FACTOR:g}× the pair's median max \\|Δ\\| at the positions where "
+        "the two are not bit-identical (a difference the pair typically shows can flip it), "
+        "else a **red flag**.",
+        "",
+        "Self-checks: " + (
+            f"the teacher forced along its own output chose that output at "
+            f"{own['agrees_with_teacher_tokens']}/{own['n_positions']} positions; "
+            if own else "") + (
+            "every forced first position was bit-identical to the combination's free run."
+            if not checks else "forced first positions that differ from the free run: "
+            + ", ".join(checks) + " (the forced pass did not reproduce the free run)."),
+        "",
+    ]
+    rows = []
+    for p in sorted(good, key=lambda p: -p["forced"]["max_abs"]):
+        f = p["forced"]
+        n = f["n_positions"]
+        rows.append({
+            "a": f"`{p['a']}`",
+            "b": f"`{p['b']}`",
+            "bit-identical": f"{f['bit_identical']}/{n}",
+            "top-1 agree": f"{f['top1_agree']}/{n} ({f['top1_agree'] / n:.1%})" if n else "–",
+            "max \\|Δ\\| median": _num(f["max_abs_median"]),
+            "p90": _num(f["max_abs_p90"]),
+            "max": _num(f["max_abs"]),
+            "KL mean": _num(f["kl_mean"]),
+            "KL p99": _num(f["kl_p99"]),
+            "forks": str(len(f["forks"])),
+            "near ties": str(f["near_ties"]),
+            "red flags": str(f["red_flags"]),
+        })
+    lines.append(_table(rows))
+    pieces = {label(r): r.get("pieces", {}) for r in ok}
+    flagged = sorted(
+        ((p, fork) for p in good for fork in p["forced"]["forks"] if fork["kind"] == "red flag"),
+        key=lambda x: -x[1]["margin"],
+    )
+    if flagged:
+        lines += ["", f"Red-flag forks, largest margin first ({len(flagged)} in all, 10 shown):", ""]
+        lines.append(_table([{
+            "a": f"`{p['a']}`", "b": f"`{p['b']}`", "prompt": f"`{fork['prompt']}`",
+            "position": str(fork["position"]),
+            "a chose": _piece(pieces[p["a"]], fork["token_a"]),
+            "b chose": _piece(pieces[p["b"]], fork["token_b"]),
+            "margin": ("" if fork["margin_exact"] else "≥ ") + _num(fork["margin"]),
+            "near-tie threshold": _num(p["forced"]["tie_threshold"]),
+        } for p, fork in flagged[:10]]))
+    if plot_dir is not None:
+        top = sorted(good, key=lambda p: -p["forced"]["max_abs_median"])[:6]
+        curves = {
+            f"{p['a']} vs {p['b']}": (
+                [q["position"] for q in p["forced"]["per_position"]],
+                [q["max_abs_median"] for q in p["forced"]["per_position"]],
+            )
+            for p in top
+        }
+        path = plot_dir / f"{model}.forced-positions.png"
+        plots.forced_curves(curves, path, f"{model}: difference along the teacher's text")
+        lines += ["", f"Median max \\|Δ\\| by position for the {len(top)} most different pairs:",
+                  "", f"![max |Δ| by position]({plot_dir.name}/{path.name})"]
+    return "\n".join(lines)
+
+
+def _tensor_where(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "none"
+    where = f"layer {r['layer']}" if r["layer"] is not None else "outside the layers"
+    text = f"`{r['name']}` (tensor #{r['index']}, {r['op']}: {r['family']}, {where})"
+    if r["only_a_before"] or r["only_b_before"]:
+        text += (
+            ", right after ops the two graphs compute differently (a only: "
+            + (", ".join(r["only_a_before"]) or "none") + "; b only: "
+            + (", ".join(r["only_b_before"]) or "none") + ")"
+        )
+    return text
+
+
+def _localised(model: str, localised: dict[str, Any] | None, plot_dir: Path | None) -> str:
+    """Where the model's largest pair (and configured pairs) part, op by op (qdiff.localise)."""
+    if localised is None:
+        return "_Tensor capture is off (`capture.enabled`)._"
+    out = [
+        "Each combination's forward pass over the prompt was captured op by op through "
+        "llama.cpp's eval callback (last token position of every named tensor). **First "
+        "difference**: the first tensor that is not bit-identical. **First divergence**: the "
+        f"first whose NMSE exceeds {localised['floor_factor']:g}× the NMSE of the floor pair at "
+        "the same tensor; the floor pair is the same two devices on the f32 copy, which "
+        "differ only in float rounding. Without a floor pair the first difference is shown."
+    ]
+    for entry in localised["pairs"]:
+        head = f"**`{entry['a']}` vs `{entry['b']}`** ({entry['why']})"
+        if entry["status"] != "ok":
+            out += ["", f"{head}: not localised: {_cell(entry['reason'])}."]
+            continue
+        floor = entry["floor"]
+        for q in entry["prompts"]:
+            d, first = q["first_divergence"], q["first_difference"]
+            lines = [f"{head}, prompt `{q['prompt']}`, {q['n_tensors']} tensors compared, floor: "
+                     + (f"`{floor[0]}` vs `{floor[1]}`." if floor else "none (first difference shown).")]
+            if first is None:
+                lines.append("Every captured tensor is bit-identical: the pair does not part here.")
+            elif d is None:
+                lines.append(f"First difference at {_tensor_where(first)}, but no tensor rises "
+                             f"above {localised['floor_factor']:g}× the floor: float rounding alone.")
+            else:
+                ratio = (f", {d['nmse'] / d['floor_nmse']:.3g}× the floor's {_num(d['floor_nmse'])}"
+                         if d.get("floor_nmse") else
+                         ", where the floor pair is bit-identical" if floor else "")
+                lines.append(
+                    f"First divergence at {_tensor_where(d)}: NMSE {_num(d['nmse'])}{ratio}, "
+                    f"max \\|Δ\\| {_num(d['max_abs'])}, relative error {_num(d['rel_err'])}."
+                    + ("" if first["index"] == d["index"] else
+                       f" First difference at all: {_tensor_where(first)}.")
+                )
+            changed = q["capture_changed_logits"]
+            lines.append(
+                "Capturing left both combinations' logits bit-identical." if not changed else
+                f"**Capturing changed the logits of {', '.join(changed)}**: observing the "
+                "graph split it differently on that backend, so this localisation describes the "
+                "observed computation, not exactly the uncaptured one."
+            )
+            out += ["", " ".join(lines)]
+            mark = d or first
+            if mark is not None:
+                out += ["", _table([{
+                    "#": str(r["index"]), "tensor": f"`{r['name']}`", "op": r["family"],
+                    "max \\|Δ\\|": _num(r["max_abs"]), "NMSE": _num(r["nmse"]),
+                    "floor NMSE": _num(r.get("floor_nmse")),
+                } for r in localise_lib.around(q["rows"], mark["index"])])]
+            if plot_dir is not None and q["rows"]:
+                name = f"{model}.depth.{entry['a']}__{entry['b']}.{q['prompt']}.png"
+                plots.depth_profile(q["rows"], f"{floor[0]} vs {floor[1]}" if floor else None,
+                                    d["index"] if d else None, plot_dir / name,
+                                    f"{entry['a']} vs {entry['b']}, prompt {q['prompt']}")
+                out += ["", f"![difference by depth]({plot_dir.name}/{name})"]
+    return "\n".join(out)
+
+
 def _left_out(records: list[dict[str, Any]]) -> str:
     rows = [
         {
@@ -339,7 +506,11 @@ def render(
     reference: str | None = None,
     logits: dict[str, Path] | None = None,
     plot_dir: Path | None = None,
+    forced: list[dict[str, Any]] | None = None,
+    localised: list[dict[str, Any]] | None = None,
 ) -> str:
+    forced = forced or []
+    localised_by_model = {x["model"]: x for x in localised} if localised is not None else None
     models = list(dict.fromkeys(r["model"] for r in records))
     devices = list(dict.fromkeys(r["device"] for r in records))
     dequants = list(dict.fromkeys(r["dequant"] for r in records))
@@ -385,6 +556,18 @@ def render(
             "### Pairwise differences, largest first",
             "",
             _pairs_table(model_pairs),
+            "",
+            "### Teacher-forced comparison",
+            "",
+            _forced(model, [r for r in forced if r["model"] == model], model_pairs, plot_dir),
+            "",
+            "### Where the largest pair parts: op by op",
+            "",
+            _localised(
+                model,
+                localised_by_model.get(model) if localised_by_model is not None else None,
+                plot_dir,
+            ),
             "",
             "### Distance from the reference",
             "",
@@ -442,9 +625,11 @@ def write_report(
     runs_tsv: Path,
     reference: str | None = None,
     logits: dict[str, Path] | None = None,
+    forced: list[dict[str, Any]] | None = None,
+    localised: list[dict[str, Any]] | None = None,
 ) -> None:
     write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
     write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
     plot_dir = summary_path.parent / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even with nothing to plot
-    write_text(summary_path, render(records, pairs, reference, logits, plot_dir))
+    write_text(summary_path, render(records, pairs, reference, logits, plot_dir, forced, localised))

@@ -27,14 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.io import load_array, read_json, save_array, write_json
+from qdiff.io import load_array, read_json, save_array, save_arrays, write_json
 from qdiff.llamalog import error_lines, parse_placement, tail
 from qdiff.provenance import failure_record
 
 # The worker's exit codes. Defined here, in the parent, so that importing this module (the
 # Snakefile does, for retry_token) never loads llama.cpp's native code.
 EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_MISPLACED = 0, 1, 3, 4
-
+# what the worker writes besides record.json, per mode (qdiff.worker.MODES)
+DATA_FILES = {"generate": "logits.npy", "force": "forced.npz", "capture": "capture.npz"}
 
 
 def retry_token(record_path: Path) -> str | None:
@@ -108,20 +109,31 @@ def determinism(attempts: list[Path]) -> dict[str, Any]:
     }
 
 
+def _placeholder(data_path: Path) -> None:
+    """An empty data file for a run that produced none, so the job's outputs exist."""
+    if data_path.suffix == ".npz":
+        save_arrays(data_path, {})
+    else:
+        save_array(data_path, np.zeros((0, 0), dtype=np.float32))
+
+
 def run_combination(
     spec: dict[str, Any],
     model: Path,
     model_info: dict[str, Any],
     record_path: Path,
-    logits_path: Path,
+    data_path: Path,
     log_path: Path,
     token: str | None,
+    extra: dict[str, Any] | None = None,
 ) -> str:
     """Run ``spec`` on ``model`` (``spec["repeats"]`` times, each in a fresh process);
-    write record and logits of the first attempt; return the status.
+    write the record and data file (``DATA_FILES``) of the first attempt; return the status.
 
-    ``token`` is the rule's retry_token param, stored in ok and unavailable records."""
-    worker_spec = {**spec, "model_path": str(model), "model_info": model_info}
+    ``token`` is the rule's retry_token param, stored in ok and unavailable records.
+    ``extra`` goes to the worker but not into the rule's params (e.g. input paths)."""
+    worker_spec = {**spec, **(extra or {}), "model_path": str(model), "model_info": model_info}
+    mode = spec.get("mode", "generate")
     record_path.parent.mkdir(parents=True, exist_ok=True)
     for stale in record_path.parent.glob(".run-*"):  # left by a killed job of this run
         shutil.rmtree(stale, ignore_errors=True)
@@ -135,9 +147,9 @@ def run_combination(
                 break
         if returncode == 0:
             record = {**read_json(attempts[0] / "record.json"), "run_token": token}
-            if len(attempts) > 1:
+            if len(attempts) > 1 and mode == "generate":
                 record["determinism"] = determinism(attempts)
-            os.replace(attempts[0] / "logits.npy", logits_path)
+            os.replace(attempts[0] / DATA_FILES[mode], data_path)
             write_json(record_path, record)
             return "ok"
         error_file = attempts[-1] / "error.json"
@@ -158,8 +170,50 @@ def run_combination(
         raise DeviceUnavailableError(
             f"device {spec['device']!r}: {outcome['message']} (strict_devices is on)"
         )
-    save_array(logits_path, np.zeros((0, 0), dtype=np.float32))
+    _placeholder(data_path)
     record = failure_record(worker_spec, status, outcome)
     record["run_token"] = uuid.uuid4().hex if status == "failed" else token
     write_json(record_path, record)
     return status
+
+
+def force_combination(
+    spec: dict[str, Any],
+    model: Path,
+    model_info: dict[str, Any],
+    teacher_run: Path,
+    teacher_forced: tuple[Path, Path] | None,
+    own_logits: Path,
+    record_path: Path,
+    data_path: Path,
+    log_path: Path,
+    token: str | None,
+) -> str:
+    """Teacher-forced pass of one combination (qdiff.forcing). The sequences are the greedy
+    output in the teacher's run record; ``teacher_forced`` is the teacher's own forced
+    (record, data), whose slice ids every other combination uses, or None on the teacher.
+    Without a successful teacher there is nothing to force: the run is ``unavailable``."""
+    run = read_json(teacher_run)
+    forced_status = read_json(teacher_forced[0])["status"] if teacher_forced else "ok"
+    if run["status"] != "ok" or forced_status != "ok":
+        which = "run" if run["status"] != "ok" else "teacher-forced run"
+        status = run["status"] if run["status"] != "ok" else forced_status
+        message = (
+            f"the teacher {spec['forcing']['teacher']}'s {which} is {status}, "
+            "so there is no sequence to force"
+        )
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        _placeholder(data_path)
+        worker_spec = {**spec, "model_path": str(model), "model_info": model_info}
+        record = failure_record(worker_spec, "unavailable", {"kind": "teacher", "message": message})
+        write_json(record_path, {**record, "run_token": token})
+        return "unavailable"
+    forcing = {
+        **spec["forcing"],
+        "sequences": {p["id"]: p["tokens"] for p in run["prompts"]},
+        "teacher_data": str(teacher_forced[1]) if teacher_forced else None,
+        "own_logits": str(own_logits),
+    }
+    return run_combination(
+        spec, model, model_info, record_path, data_path, log_path, token, {"forcing": forcing}
+    )

@@ -2,6 +2,11 @@
 # Every output is written under a temporary name and renamed when verified.
 
 
+# Downloads run where Snakemake runs: cluster compute nodes often have no network.
+localrules:
+    fetch_model,
+
+
 rule fetch_model:
     output:
         gguf="resources/models/{model}.gguf",
@@ -33,6 +38,8 @@ rule requantize_model:
     conda:
         "../../envs/cpu.yaml"
     threads: 2
+    resources:
+        mem_mb=model_mem_mb,
     params:
         target=requant_type,
     script:
@@ -51,6 +58,8 @@ rule dequantize_model:
     conda:
         "../../envs/cpu.yaml"
     threads: 2
+    resources:
+        mem_mb=model_mem_mb,
     params:
         target="{dqcopy}",
     script:

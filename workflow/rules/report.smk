@@ -6,6 +6,8 @@ rule report:
         records=all_run_records,
         logits=all_run_logits,
         pairs=all_pair_files,
+        forced=all_forced_records,
+        localised=all_localise_files,
     output:
         summary=REPORT_FILES[0],
         pairs=REPORT_FILES[1],

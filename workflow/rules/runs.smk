@@ -8,7 +8,7 @@ rule run_combination:
         info=run_model_info,
     output:
         record="results/runs/{model}/{device}/{dequant}/record.json",
-        logits="results/runs/{model}/{device}/{dequant}/logits.npy",
+        data="results/runs/{model}/{device}/{dequant}/logits.npy",
     log:
         "results/logs/run/{model}/{device}/{dequant}.log",
     benchmark:
@@ -18,6 +18,7 @@ rule run_combination:
     threads: run_threads
     resources:
         gpu=run_gpus,
+        mem_mb=model_mem_mb,
     params:
         spec=run_spec,
         llama_build=LLAMA_BUILD,
@@ -25,3 +26,30 @@ rule run_combination:
         retry_token=run_retry_token,
     script:
         "../scripts/run_combination.py"
+
+
+# Teacher forcing (qdiff.forcing): every combination fed the teacher's greedy output, so the
+# logits compare at every generated position. Its own rule, so it never reruns the matrix.
+rule force_combination:
+    input:
+        unpack(forced_inputs),
+    output:
+        record="results/forced/{model}/{device}/{dequant}/record.json",
+        data="results/forced/{model}/{device}/{dequant}/forced.npz",
+    log:
+        "results/logs/forced/{model}/{device}/{dequant}.log",
+    benchmark:
+        "results/benchmarks/forced/{model}/{device}/{dequant}.tsv"
+    conda:
+        run_env
+    threads: run_threads
+    resources:
+        gpu=run_gpus,
+        mem_mb=model_mem_mb,
+    params:
+        spec=forced_spec,
+        llama_build=LLAMA_BUILD,
+        format=RECORD_FORMAT,
+        retry_token=forced_retry_token,
+    script:
+        "../scripts/force_combination.py"

@@ -10,6 +10,9 @@ log_to(snakemake.log[0])
 write_report(
     records=[read_json(Path(p)) for p in snakemake.input.records],
     pairs=[read_json(Path(p)) for p in snakemake.input.pairs],
+    forced=[read_json(Path(p)) for p in snakemake.input.forced],
+    # None when capture is off (config.capture.enabled): the report says so
+    localised=[read_json(Path(p)) for p in snakemake.input.localised] or None,
     summary_path=Path(snakemake.output.summary),
     pairs_tsv=Path(snakemake.output.pairs),
     runs_tsv=Path(snakemake.output.runs),

@@ -1,4 +1,5 @@
-"""Run one model x device x dequant combination in an isolated process (rule run_combination)."""
+"""Run one model x device x dequant combination in an isolated process: its generation (rule
+run_combination) or its tensor capture (rule capture_combination); the spec names the mode."""
 
 import json
 from pathlib import Path
@@ -13,7 +14,7 @@ run_combination(
     model=Path(snakemake.input.model),
     model_info=read_json(Path(snakemake.input.info)),
     record_path=Path(snakemake.output.record),
-    logits_path=Path(snakemake.output.logits),
+    data_path=Path(snakemake.output.data),
     log_path=Path(snakemake.log[0]),
     token=snakemake.params.retry_token,
 )

@@ -1,0 +1,220 @@
+"""Teacher-forced comparison: every combination of a model evaluated on one token sequence.
+
+Free greedy runs stop being comparable after their first fork: from then on each device
+reads its own text. Here every combination is fed the *teacher's* greedy output (the
+reference combination's, see ``Experiment.teacher``) token by token, so the logits of two
+combinations can be compared at every generated position.
+
+Storing the full vocabulary per position would cost 1 MiB per position for Gemma (262,144
+logits), 640 MiB per combination for the default experiment. Each position is kept as:
+
+- ``slice_logits``: the logits of a fixed set of token ids, the teacher's ``top_k`` most
+  likely tokens at that position (the same ids for every combination, so two slices can be
+  subtracted);
+- ``lse``: log-sum-exp over the full vocabulary, so slice probabilities are exact;
+- ``top_ids``/``top_logits``: each combination's own two leading tokens over the full
+  vocabulary, so top-1 agreement and fork margins are exact;
+- ``digest``: a hash of the full float32 logits, so "bit-identical" is exact.
+
+Per pair this gives, per position: max |Δ| over the slice, KL(a‖b) over the slice plus one
+bucket for the rest of the vocabulary (by the data-processing inequality a lower bound of the
+full KL, and equal to it when the tail carries no mass), top-1 agreement, and at each fork
+the margin between the two leading tokens.
+
+A fork is a **near tie** when its margin is at most ``TIE_FACTOR`` times the pair's median
+per-position max |Δ| over the positions where the two are not bit-identical: when a leads b by m on one side and b leads a on the other,
+m ≤ 2·max|Δ| at that position, so a difference the pair shows at a typical position can flip
+a tie that close. A larger margin needed an unusually large difference at that very
+position: a **red flag** worth a look (a kernel bug, a wrong op, a broken weight).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+TIE_FACTOR = 2.0
+DEFAULT_TOP_K = 1024
+ARRAY_NAMES = (
+    "n_prompt_tokens", "lengths", "tokens", "slice_ids", "slice_logits",
+    "lse", "top_ids", "top_logits", "digest", "forced_logprob",
+)
+
+
+def digest(logits: np.ndarray) -> int:
+    """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits."""
+    raw = np.ascontiguousarray(logits, dtype=np.float32).tobytes()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the ``k`` largest logits, largest first (lowest id first on ties)."""
+    k = min(k, logits.shape[-1])
+    part = np.argpartition(-logits, k - 1)[:k]
+    return part[np.lexsort((part, -logits[part]))].astype(np.int32)
+
+
+def log_sum_exp(logits: np.ndarray) -> float:
+    x = logits.astype(np.float64)
+    peak = x.max()
+    return float(peak + np.log(np.exp(x - peak).sum()))
+
+
+class ForcedRecorder:
+    """Collects the compact per-position summaries of one combination's forced pass."""
+
+    def __init__(self, n_prompts: int, max_len: int, top_k: int) -> None:
+        self.top_k = top_k
+        shape = (n_prompts, max_len)
+        self.arrays: dict[str, np.ndarray] = {
+            "n_prompt_tokens": np.zeros(n_prompts, np.int32),
+            "lengths": np.zeros(n_prompts, np.int32),
+            "tokens": np.full(shape, -1, np.int32),
+            "slice_ids": np.full((*shape, top_k), -1, np.int32),
+            "slice_logits": np.full((*shape, top_k), np.nan, np.float32),
+            "lse": np.full(shape, np.nan),
+            "top_ids": np.full((*shape, 2), -1, np.int32),
+            "top_logits": np.full((*shape, 2), np.nan, np.float32),
+            "digest": np.zeros(shape, np.uint64),
+            "forced_logprob": np.full(shape, np.nan),
+        }
+
+    def begin_prompt(self, p: int, n_prompt_tokens: int, forced: list[int]) -> None:
+        self.arrays["n_prompt_tokens"][p] = n_prompt_tokens
+        self.arrays["lengths"][p] = len(forced)
+        self.arrays["tokens"][p, : len(forced)] = forced
+
+    def add(self, p: int, t: int, logits: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
+        """Record position ``t`` of prompt ``p``; ``ids`` are the teacher's slice ids, or
+        None on the teacher itself (then its own top-k become the slice). Returns the ids."""
+        if ids is None:
+            ids = top_ids(logits, self.top_k)
+        a = self.arrays
+        a["slice_ids"][p, t, : len(ids)] = ids
+        a["slice_logits"][p, t, : len(ids)] = logits[ids]
+        lse = log_sum_exp(logits)
+        a["lse"][p, t] = lse
+        lead = top_ids(logits, 2)
+        a["top_ids"][p, t, : len(lead)] = lead
+        a["top_logits"][p, t, : len(lead)] = logits[lead]
+        a["digest"][p, t] = digest(logits)
+        a["forced_logprob"][p, t] = float(logits[a["tokens"][p, t]]) - lse
+        return ids
+
+
+@dataclass(frozen=True)
+class Fork:
+    prompt: str
+    position: int
+    token_a: int
+    token_b: int
+    margin: float  # the larger of the two sides' preference for their own token
+    margin_exact: bool  # False: a token fell outside the slice; the margin is a lower bound
+    kind: str  # "near tie" | "red flag"
+
+
+def _slice_probs(logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Probabilities of the slice tokens and the mass of everything else."""
+    probs = np.exp(logits.astype(np.float64) - lse[..., None])
+    tail = np.clip(1.0 - probs.sum(axis=-1), 0.0, 1.0)
+    return probs, tail
+
+
+def _kl(pa: np.ndarray, ta: np.ndarray, pb: np.ndarray, tb: np.ndarray) -> np.ndarray:
+    tiny = np.finfo(np.float64).tiny
+    inner = np.where(pa > 0, pa * (np.log(np.maximum(pa, tiny)) - np.log(np.maximum(pb, tiny))), 0)
+    tail = np.where(ta > 0, ta * (np.log(np.maximum(ta, tiny)) - np.log(np.maximum(tb, tiny))), 0)
+    return np.maximum(inner.sum(axis=-1) + tail, 0.0)
+
+
+def _preference(side: dict[str, np.ndarray], p: int, t: int, other: int) -> tuple[float, bool]:
+    """How much one side prefers its own top token (exact logit) over the other side's
+    token (from the slice; when that token is outside the slice, a lower bound)."""
+    own = float(side["top_logits"][p, t, 0])
+    ids, logits = side["slice_ids"][p, t], side["slice_logits"][p, t]
+    hit = np.nonzero(ids == other)[0]
+    if hit.size:
+        return own - float(logits[hit[0]]), True
+    return own - float(np.nanmin(logits)), False  # the other token ranks below the slice
+
+
+def compare_forced(
+    a: dict[str, np.ndarray], b: dict[str, np.ndarray], prompt_ids: list[str]
+) -> dict[str, Any]:
+    """Per-position comparison of two combinations forced along the same sequence."""
+    if not np.array_equal(a["tokens"], b["tokens"]) or not np.array_equal(
+        a["slice_ids"], b["slice_ids"]
+    ):
+        return {"status": "n/a", "reason": "the two were forced along different sequences"}
+    if not np.array_equal(a["n_prompt_tokens"], b["n_prompt_tokens"]):
+        return {"status": "n/a", "reason": "the prompts tokenize differently"}
+    lengths = a["lengths"]
+    valid = np.arange(a["tokens"].shape[1])[None, :] < lengths[:, None]
+    max_abs = np.nanmax(
+        np.abs(b["slice_logits"].astype(np.float64) - a["slice_logits"]), axis=-1, initial=0.0
+    )
+    pa, ta = _slice_probs(np.nan_to_num(a["slice_logits"], nan=-np.inf), a["lse"])
+    pb, tb = _slice_probs(np.nan_to_num(b["slice_logits"], nan=-np.inf), b["lse"])
+    kl = _kl(pa, ta, pb, tb)
+    identical = a["digest"] == b["digest"]
+    agree = a["top_ids"][..., 0] == b["top_ids"][..., 0]
+    # the pair's typical difference where it differs at all: a pair that is bit-identical
+    # at most positions (e.g. TF32 on or off, which only long sequences reach) still has a
+    # meaningful scale for its forks
+    differing = valid & ~identical
+    typical = float(np.median(max_abs[differing])) if differing.any() else 0.0
+
+    forks = []
+    for p, t in zip(*np.nonzero(valid & ~agree)):
+        ta_id, tb_id = int(a["top_ids"][p, t, 0]), int(b["top_ids"][p, t, 0])
+        ma, exact_a = _preference(a, p, t, tb_id)
+        mb, exact_b = _preference(b, p, t, ta_id)
+        margin = max(ma, mb)
+        forks.append(
+            Fork(
+                prompt=prompt_ids[p], position=int(t), token_a=ta_id, token_b=tb_id,
+                margin=margin, margin_exact=exact_a and exact_b,
+                kind="near tie" if margin <= TIE_FACTOR * typical else "red flag",
+            )
+        )
+    n_positions = int(valid.sum())
+    per_position = []
+    for t in range(a["tokens"].shape[1]):
+        rows = valid[:, t]
+        if rows.any():
+            per_position.append({
+                "position": t,
+                "prompts": int(rows.sum()),
+                "max_abs_median": float(np.median(max_abs[rows, t])),
+                "max_abs_max": float(max_abs[rows, t].max()),
+                "kl_mean": float(kl[rows, t].mean()),
+                "top1_agree": int(agree[rows, t].sum()),
+            })
+    kl_valid = kl[valid]
+    return {
+        "status": "ok",
+        "n_positions": n_positions,
+        "top_k": int(a["slice_ids"].shape[-1]),
+        "bit_identical": int(identical[valid].sum()),
+        "top1_agree": int(agree[valid].sum()),
+        "max_abs": float(max_abs[valid].max(initial=0.0)),
+        "max_abs_median": float(np.median(max_abs[valid])) if n_positions else 0.0,
+        "max_abs_median_differing": typical,
+        "max_abs_p90": float(np.percentile(max_abs[valid], 90)) if n_positions else 0.0,
+        "kl_mean": float(kl_valid.mean()) if n_positions else 0.0,
+        "kl_median": float(np.median(kl_valid)) if n_positions else 0.0,
+        "kl_p99": float(np.percentile(kl_valid, 99)) if n_positions else 0.0,
+        "kl_max": float(kl_valid.max(initial=0.0)),
+        "tie_threshold": TIE_FACTOR * typical,
+        "near_ties": sum(f.kind == "near tie" for f in forks),
+        "red_flags": sum(f.kind == "red flag" for f in forks),
+        "forks": [f.__dict__ for f in forks],
+        "per_position": per_position,
+        "per_prompt_max_abs": {
+            prompt_ids[p]: [float(x) for x in max_abs[p, : lengths[p]]]
+            for p in range(len(prompt_ids))
+        },
+    }

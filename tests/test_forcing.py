@@ -1,0 +1,133 @@
+"""Teacher-forced comparison on constructed logits (pure logic; the workflow tests run it for real)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qdiff.forcing import ForcedRecorder, TIE_FACTOR, compare_forced, digest, top_ids
+from qdiff.metrics import logit_metrics
+
+VOCAB = 64
+
+
+def record(positions: list[np.ndarray], top_k: int, teacher_ids=None) -> tuple[dict, list]:
+    """One prompt forced along tokens 0..n-1; returns the arrays and the slice ids used."""
+    rec = ForcedRecorder(1, len(positions), top_k)
+    rec.begin_prompt(0, 5, list(range(len(positions))))
+    used = [rec.add(0, t, x, None if teacher_ids is None else teacher_ids[t])
+            for t, x in enumerate(positions)]
+    return rec.arrays, used
+
+
+def pair(a_positions, b_positions, top_k=VOCAB) -> dict:
+    a, ids = record(a_positions, top_k)
+    b, _ = record(b_positions, top_k, ids)
+    return compare_forced(a, b, ["p"])
+
+
+def noisy(rng: np.random.Generator, n: int, scale: float = 0.01) -> tuple[list, list]:
+    """n positions of random logits and a copy perturbed by about ``scale``."""
+    a = [rng.normal(0, 3, VOCAB).astype(np.float32) for _ in range(n)]
+    b = [(x + rng.normal(0, scale, VOCAB)).astype(np.float32) for x in a]
+    return a, b
+
+
+def test_top_ids_are_largest_first_and_lowest_id_on_ties() -> None:
+    logits = np.array([1, 5, 5, 0, 7], dtype=np.float32)
+    assert top_ids(logits, 3).tolist() == [4, 1, 2]
+    assert top_ids(logits, 10).tolist() == [4, 1, 2, 0, 3]
+
+
+def test_digest_tells_bit_identical_from_different() -> None:
+    x = np.arange(10, dtype=np.float32)
+    assert digest(x) == digest(x.copy())
+    y = x.copy()
+    y[3] = np.nextafter(y[3], np.float32(100))
+    assert digest(x) != digest(y)
+
+
+def test_identical_passes_compare_as_identical() -> None:
+    a, _ = noisy(np.random.default_rng(0), 5)
+    result = pair(a, [x.copy() for x in a])
+    assert result["bit_identical"] == result["n_positions"] == 5
+    assert result["max_abs"] == 0 and result["kl_max"] == 0 and result["forks"] == []
+
+
+def test_full_slice_kl_equals_full_vocabulary_kl_and_a_smaller_slice_bounds_it() -> None:
+    a, b = noisy(np.random.default_rng(1), 4, scale=0.3)
+    full = logit_metrics(np.stack(a), np.stack(b))
+    exact = pair(a, b, top_k=VOCAB)
+    per_position = [q["kl_mean"] for q in exact["per_position"]]
+    np.testing.assert_allclose(per_position, full["kl"], rtol=1e-6)
+    np.testing.assert_allclose(exact["max_abs"], full["max_abs"].max(), rtol=1e-6)
+    coarse = pair(a, b, top_k=8)
+    assert all(
+        c["kl_mean"] <= e["kl_mean"] + 1e-12
+        for c, e in zip(coarse["per_position"], exact["per_position"])
+    )
+
+
+def tie_position(lead_a: float, lead_b: float) -> tuple[np.ndarray, np.ndarray]:
+    """A position where a prefers token 3 over 7 by lead_a and b prefers 7 over 3 by lead_b."""
+    a = np.full(VOCAB, -5.0, dtype=np.float32)
+    b = a.copy()
+    a[3], a[7] = 5.0, 5.0 - lead_a
+    b[7], b[3] = 5.0, 5.0 - lead_b
+    return a, b
+
+
+def test_a_nearly_tied_fork_is_a_near_tie() -> None:
+    rng = np.random.default_rng(2)
+    a, b = noisy(rng, 9, scale=0.02)
+    ta, tb = tie_position(0.01, 0.01)
+    result = pair(a + [ta], b + [tb])
+    (fork,) = [f for f in result["forks"] if f["position"] == 9]
+    assert (fork["token_a"], fork["token_b"]) == (3, 7)
+    assert fork["margin"] == pytest.approx(0.01, abs=1e-5) and fork["margin_exact"]
+    assert fork["kind"] == "near tie"
+    assert result["red_flags"] == 0
+
+
+def test_a_large_margin_fork_is_a_red_flag() -> None:
+    rng = np.random.default_rng(3)
+    a, b = noisy(rng, 9, scale=0.02)
+    ta, tb = tie_position(3.0, 0.5)  # a was confident; b chose otherwise
+    result = pair(a + [ta], b + [tb])
+    (fork,) = [f for f in result["forks"] if f["position"] == 9]
+    assert fork["margin"] == pytest.approx(3.0)
+    assert fork["margin"] > result["tie_threshold"] == pytest.approx(
+        TIE_FACTOR * result["max_abs_median_differing"]
+    )
+    assert fork["kind"] == "red flag" and result["red_flags"] == 1
+
+
+def test_a_fork_to_a_token_outside_the_slice_gives_a_lower_bound() -> None:
+    a = np.linspace(10, 0, VOCAB).astype(np.float32)  # teacher: token 0 first, 63 last
+    b = a.copy()
+    b[VOCAB - 1] = 20.0  # b's top token is outside the teacher's top 4
+    result = pair([a], [b], top_k=4)
+    (fork,) = result["forks"]
+    assert fork["token_b"] == VOCAB - 1 and not fork["margin_exact"]
+    assert fork["margin"] == pytest.approx(10.0)  # b: 20 for its token, 10 for a's
+    assert fork["kind"] == "red flag"
+
+
+def test_sequences_that_differ_are_not_compared() -> None:
+    a, ids = record([np.zeros(VOCAB, np.float32)], 4)
+    b, _ = record([np.zeros(VOCAB, np.float32)], 4, ids)
+    b["tokens"][0, 0] = 5
+    assert compare_forced(a, b, ["p"])["status"] == "n/a"
+
+
+def test_the_tie_threshold_ignores_bit_identical_positions() -> None:
+    """A pair identical at most positions (TF32 on/off) judges its forks by the positions
+    where it differs, not by a median of zero."""
+    rng = np.random.default_rng(4)
+    a = [rng.normal(0, 3, VOCAB).astype(np.float32) for _ in range(9)]
+    b = [x.copy() for x in a[:6]] + [(x + rng.normal(0, 0.3, VOCAB)).astype(np.float32) for x in a[6:]]
+    ta, tb = tie_position(0.2, 0.1)
+    result = pair(a + [ta], b + [tb])
+    assert result["max_abs_median"] == 0 < result["max_abs_median_differing"]
+    (fork,) = result["forks"]
+    assert fork["kind"] == "near tie"
