@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display: render to files only
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -73,6 +74,7 @@ def forced_curves(curves: dict[str, tuple[list[int], list[float]]], path: Path, 
     for name, (positions, values) in curves.items():
         shown = [v if v > 0 else np.nan for v in values]  # log scale: 0 is bit-identical
         ax.plot(positions, shown, marker="o", markersize=3, label=name)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # positions are whole tokens
     ax.set_xlabel("generated position (teacher-forced)")
     ax.set_ylabel("median over prompts of max |Δ logit|")
     _finish_lines(fig, ax, title, path)
