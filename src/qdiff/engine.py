@@ -325,10 +325,11 @@ class LoadedModel:
         )
 
     def force(
-        self, prompt_tokens: list[int], forced: list[int], on_logits: Callable[[np.ndarray], None]
+        self, prompt_tokens: list[int], forced: list[int],
+        on_logits: Callable[[int, np.ndarray], None],
     ) -> float:
         """Teacher forcing: decode the prompt, then feed ``forced`` one token at a time,
-        calling ``on_logits`` with the logits that predict each forced token. Token by token,
+        calling ``on_logits(i, logits)`` with the logits that predict forced token ``i``. Token by token,
         like ``generate``, so the arithmetic path (batch size 1 per step) is the same and
         a combination forced along its own greedy output reproduces its own logits.
         Returns the seconds spent."""
@@ -336,7 +337,7 @@ class LoadedModel:
         start = time.perf_counter()
         logits, _ = self.prefill(prompt_tokens)
         for i, token in enumerate(forced):
-            on_logits(logits)
+            on_logits(i, logits)
             if i + 1 < len(forced):
                 self._decode([token])
                 logits = self._last_logits()

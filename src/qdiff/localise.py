@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from qdiff.compare import label
 from qdiff.io import load_arrays
 
 FLOOR_FACTOR = 10.0
@@ -160,10 +161,6 @@ def around(rows: list[dict[str, Any]], index: int, before: int = 4, after: int =
     return rows[max(0, index - before): index + after + 1]
 
 
-def _label(record: dict[str, Any]) -> str:
-    return f"{record['device']}.{record['dequant']}"
-
-
 def floor_pair(a: str, b: str) -> tuple[str, str] | None:
     """The pair that differs from (a, b) only in float rounding: the same two devices on
     the f32 copy. None when the devices are the same or (a, b) is that pair already."""
@@ -180,9 +177,9 @@ def localise_model(
     configured: list[tuple[str, str]],
 ) -> dict[str, Any]:
     """Localise the model's largest pair and the configured pairs, on every captured prompt."""
-    ok = {_label(r): (r, path) for r, path in captures if r["status"] == "ok"}
+    ok = {label(r): (r, path) for r, path in captures if r["status"] == "ok"}
     model = captures[0][0]["model"] if captures else None
-    failed = {_label(r): r.get("error", {}).get("message", r["status"])
+    failed = {label(r): r.get("error", {}).get("message", r["status"])
               for r, _ in captures if r["status"] != "ok"}
     measured = [p for p in pairs if p["status"] == "ok" and p["a"] in ok and p["b"] in ok]
     chosen: list[tuple[str, str, str]] = []
@@ -194,10 +191,10 @@ def localise_model(
             chosen.append((a, b, "named in config.capture.pairs"))
     data: dict[str, dict[str, np.ndarray]] = {}
 
-    def arrays(label: str) -> dict[str, np.ndarray]:
-        if label not in data:  # each capture file is read once
-            data[label] = load_arrays(ok[label][1])
-        return data[label]
+    def arrays(combo: str) -> dict[str, np.ndarray]:
+        if combo not in data:  # each capture file is read once
+            data[combo] = load_arrays(ok[combo][1])
+        return data[combo]
 
     results = []
     for a, b, why in chosen:

@@ -106,12 +106,9 @@ def force(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
             tokens = _prompt_tokens(loaded, prompt["text"], spec["generation"]["chat_template"])
             forced = sequences[prompt["id"]]
             recorder.begin_prompt(p, len(tokens), forced)
-            step = iter(range(len(forced)))
 
-            def record(logits: np.ndarray, p: int = p) -> None:
-                t = next(step)
-                ids = teacher["slice_ids"][p, t] if teacher else None
-                recorder.add(p, t, logits, ids)
+            def record(t: int, logits: np.ndarray, p: int = p) -> None:
+                recorder.add(p, t, logits, teacher["slice_ids"][p, t] if teacher else None)
 
             seconds += loaded.force(tokens, forced, record)
             positions += len(forced)
