@@ -14,13 +14,13 @@ if not workflow.overwrite_configfiles:
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/models.smk"
-include: "workflow/rules/runs.smk"
+include: "workflow/rules/combinations.smk"
 include: "workflow/rules/compare.smk"
-include: "workflow/rules/capture.smk"
+include: "workflow/rules/exact.smk"
 include: "workflow/rules/report.smk"
 
 
 rule all:
     default_target: True
     input:
-        REPORT_FILES,
+        all_targets,

@@ -57,8 +57,16 @@ class Workspace:
         self, *args: str, check: bool = True, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         cmd = [
-            sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-            "--directory", str(self.root), "--cores", "2", *args,
+            sys.executable,
+            "-m",
+            "snakemake",
+            "--snakefile",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(self.root),
+            "--cores",
+            "2",
+            *args,
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=REPO)
         if check and proc.returncode != 0:

@@ -27,8 +27,9 @@ def ensure_installed() -> None:
         raise RuntimeError("installing SLURM needs root: apt-get install " + " ".join(PACKAGES))
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-q"], check=True, env=env, capture_output=True)
-    subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], check=True, env=env,
-                   capture_output=True)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-q", *PACKAGES], check=True, env=env, capture_output=True
+    )
 
 
 def _free_port() -> int:
@@ -108,7 +109,9 @@ class Cluster:
         ]
         for i, name in enumerate(self.partitions):
             default = "YES" if i == 0 else "NO"
-            lines.append(f"PartitionName={name} Nodes=ALL Default={default} MaxTime=INFINITE State=UP")
+            lines.append(
+                f"PartitionName={name} Nodes=ALL Default={default} MaxTime=INFINITE State=UP"
+            )
         if SYSTEM_CONF.exists() and not self.saved_conf.exists():
             shutil.copy2(SYSTEM_CONF, self.saved_conf)
         SYSTEM_CONF.parent.mkdir(parents=True, exist_ok=True)
@@ -120,10 +123,19 @@ class Cluster:
         key = r / "munge.key"
         key.write_bytes(os.urandom(128))
         key.chmod(0o600)
-        self._spawn(["munged", "--foreground", "--force", f"--key-file={key}",
-                     f"--socket={r / 'munge.socket'}", f"--pid-file={r / 'munged.pid'}",
-                     f"--log-file={r / 'munged.log'}", f"--seed-file={r / 'munged.seed'}"])
-        self._wait_for(lambda: (r / "munge.socket").exists(), "munged")
+        self._spawn(
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={r / 'munge.socket'}",
+                f"--pid-file={r / 'munged.pid'}",
+                f"--log-file={r / 'munged.log'}",
+                f"--seed-file={r / 'munged.seed'}",
+            ]
+        )
+        self._wait_for((r / "munge.socket").exists, "munged")
         self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait_for(lambda: self._ok(["scontrol", "ping"], "UP"), "slurmctld")
         self._spawn(["slurmd", "-D", "-f", str(self.conf)])
@@ -131,8 +143,11 @@ class Cluster:
 
     def _spawn(self, cmd: list[str]) -> None:
         log = (self.root / f"{Path(cmd[0]).name}.out").open("w")
-        self.processes.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                               env=self.env, start_new_session=True))
+        self.processes.append(
+            subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        )
 
     def _ok(self, cmd: list[str], expected: str) -> bool:
         out = subprocess.run(cmd, capture_output=True, text=True, env=self.env)

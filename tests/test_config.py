@@ -10,6 +10,7 @@ import yaml
 
 from conftest import REPO, Workspace, tiny_config
 from qdiff.config import ConfigError, check_duplicate_keys, load_experiment
+from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
 
 GOOD = tiny_config(Path("/models/tiny.gguf"))
 
@@ -56,9 +57,16 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
     other = load_experiment(changed(devices__cpu__n_ubatch=1))
     combo = exp.all_combinations()[-1]  # a cpu-fa combination
     assert combo.device == "cpu-fa"
-    assert exp.run_spec(combo) == other.run_spec(combo)
+    for stage in STAGES.values():
+        assert exp.spec(stage, combo) == other.spec(stage, combo)
     cpu_combo = exp.all_combinations()[0]
-    assert exp.run_spec(cpu_combo) != other.run_spec(cpu_combo)
+    assert exp.spec(RUN, cpu_combo) != other.spec(RUN, cpu_combo)
+    # runtime knobs are not part of any job's params: changing them reruns nothing
+    relaxed = load_experiment(
+        {**GOOD, "run_timeout_s": 5, "strict_devices": True, "download": {"stall_window_s": 5}}
+    )
+    for stage in STAGES.values():
+        assert relaxed.spec(stage, cpu_combo) == exp.spec(stage, cpu_combo)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +74,10 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
     [
         (changed(devices__cpu__n_thread=4), "config.devices.cpu: unknown key 'n_thread'"),
         (changed(colour="red"), "config: unknown key 'colour'"),
-        (changed(devices__cpu__backend="cudaa"), "config.devices.cpu.backend: 'cudaa' is not one of"),
+        (
+            changed(devices__cpu__backend="cudaa"),
+            "config.devices.cpu.backend: 'cudaa' is not one of",
+        ),
         (changed(dequant=["none", "int4"]), "config.dequant[1]: 'int4' is not one of"),
         (changed(models__tiny__requantize=["q9_9"]), "unknown quant type 'q9_9'"),
         (changed(models={"../x": {"path": "a.gguf"}}), "name '../x' is not usable as a file name"),
@@ -75,24 +86,71 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
         (changed(devices={"x__y": {"backend": "cpu"}}), "name 'x__y' is not usable"),
         (changed(models={"m": {"sha256": "0" * 64}}), "config.models.m: give exactly one source"),
         (changed(models={"m": {"path": "a", "url": "https://x/a"}}), "found url, path"),
-        (changed(models={"m": {"url": "https://example.org/m.gguf"}}), "a `url` source needs sha256"),
-        (changed(models={"m": {"url": "http://example.org/m.gguf", "sha256": "0" * 64}}),
-         "plain http:// is refused for example.org"),
-        (changed(models={"m": {"path": "a", "sha256": "xyz"}}), "config.models.m.sha256: 'xyz' does not match"),
+        (
+            changed(models={"m": {"url": "https://example.org/m.gguf"}}),
+            "a `url` source needs sha256",
+        ),
+        (
+            changed(models={"m": {"url": "http://example.org/m.gguf", "sha256": "0" * 64}}),
+            "plain http:// is refused for example.org",
+        ),
+        (
+            changed(models={"m": {"path": "a", "sha256": "xyz"}}),
+            "config.models.m.sha256: 'xyz' does not match",
+        ),
         (changed(models={}), "config.models: {} should be non-empty"),
         (changed(devices={}), "config.devices: {} should be non-empty"),
         (changed(dequant=[]), "config.dequant: [] should be non-empty"),
-        (changed(prompts=[{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]), "duplicate prompt id 'a'"),
+        (
+            changed(prompts=[{"id": "a", "text": "x"}, {"id": "a", "text": "y"}]),
+            "duplicate prompt id 'a'",
+        ),
         (changed(prompts=[{"id": "a"}]), "config.prompts"),
         (changed(devices__cpu__op_offload=True), "a cpu device cannot offload ops"),
         (changed(generation__n_tokens=0), "config.generation.n_tokens: 0 is less than the minimum"),
-        (changed(models={"m.requant-q8_0": {"path": "a"}}), "reserved for derived models"),
-        (changed(capture={"pairs": [["cpu.none", "gpu.none"]]}),
-         "config.capture.pairs[0]: 'gpu.none' is not a configured combination"),
+        (
+            changed(models={"m.requant-q8_0": {"path": "a"}}),
+            "are reserved for the models and copies qdiff derives",
+        ),
+        # a configured model named like another model's dequantized copy: their files collide
+        (
+            changed(models={"tiny": {"path": "a"}, "tiny.dequant-f32": {"path": "b"}}),
+            "config.models.tiny.dequant-f32: names containing '.dequant-' are reserved",
+        ),
+        (
+            changed(models={"Tiny": {"path": "a"}, "tiny": {"path": "b"}}),
+            "config.models.tiny: model 'tiny' would write resources/models/tiny.gguf, which model 'Tiny' writes too",
+        ),
+        (
+            changed(
+                models={"m": {"url": "https://user:pw@example.org/m.gguf", "sha256": "0" * 64}}
+            ),
+            "config.models.m.url: credentials in the URL (user:password@) are refused",
+        ),
+        (changed(prompts=[{"id": "a", "text": ""}]), "config.prompts[0].text: must not be empty"),
+        (changed(prompts=[]), "config.prompts: [] should be non-empty"),
+        (
+            changed(prompts=7),
+            "config.prompts: must be a list of {id, text} or the path of a YAML file",
+        ),
+        (changed(reference="cpu"), "config.reference: 'cpu' is not a configured combination"),
+        (
+            changed(capture={"pairs": [["cpu.none", "gpu.none"]]}),
+            "config.capture.pairs[0]: 'gpu.none' is not a configured combination",
+        ),
         (changed(capture={"pairs": [["cpu.none"]]}), "config.capture.pairs[0]"),
-        (changed(capture={"prompts": ["nope"]}), "config.capture.prompts: 'nope' is not a prompt id"),
-        (changed(capture={"tensors": "attn_(["}), "config.capture.tensors: not a regular expression"),
-        (changed(teacher_forcing={"top_k": 1}), "config.teacher_forcing.top_k: 1 is less than the minimum"),
+        (
+            changed(capture={"prompts": ["nope"]}),
+            "config.capture.prompts: 'nope' is not a prompt id",
+        ),
+        (
+            changed(capture={"tensors": "attn_(["}),
+            "config.capture.tensors: not a regular expression",
+        ),
+        (
+            changed(teacher_forcing={"top_k": 1}),
+            "config.teacher_forcing.top_k: 1 is less than the minimum",
+        ),
         (changed(teacher_forcing={"topk": 5}), "config.teacher_forcing: unknown key 'topk'"),
     ],
 )
@@ -104,13 +162,13 @@ def test_forced_and_capture_specs_depend_on_what_they_use() -> None:
     exp = load_experiment(GOOD)
     combo = exp.all_combinations()[1]
     assert exp.teacher("tiny") == exp.combinations("tiny")[1]  # the reference, cpu.f32
-    forced = exp.forced_spec(combo)
+    forced = exp.spec(FORCED, combo)
     assert forced["mode"] == "force" and forced["forcing"] == {"teacher": "cpu.f32", "top_k": 1024}
-    capture = exp.capture_spec(combo)
+    capture = exp.spec(CAPTURE, combo)
     assert [p["id"] for p in capture["prompts"]] == ["rust"]  # the first prompt by default
     assert "n_tokens" not in capture["generation"]
     longer = load_experiment(changed(generation__n_tokens=3))
-    assert longer.capture_spec(combo) == capture and longer.forced_spec(combo) != forced
+    assert longer.spec(CAPTURE, combo) == capture and longer.spec(FORCED, combo) != forced
 
 
 def test_all_problems_are_reported_at_once() -> None:
@@ -123,6 +181,13 @@ def test_prompt_file(tmp_path: Path) -> None:
     exp = load_experiment(changed(prompts="p.yaml"), base_dir=tmp_path)
     assert [p.id for p in exp.prompts] == ["a", "b"]
     assert "cannot read prompt file" in problems(changed(prompts="missing.yaml"))
+    # the prompt file is held to the config's standard: its problems are named by file and key
+    (tmp_path / "dup.yaml").write_text("- {id: a, text: hello, text: again}\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml: duplicate key 'text' on line 1"):
+        load_experiment(changed(prompts="dup.yaml"), base_dir=tmp_path)
+    (tmp_path / "empty.yaml").write_text("- {id: a, text: ''}\n")
+    with pytest.raises(ConfigError, match=r"empty.yaml\[0\].text: must not be empty"):
+        load_experiment(changed(prompts="empty.yaml"), base_dir=tmp_path)
 
 
 def test_workflow_stops_before_any_job_on_a_bad_config(workspace: Workspace) -> None:
@@ -142,7 +207,10 @@ def test_configfile_replaces_the_default_experiment(workspace: Workspace) -> Non
     jobs = workspace.planned_jobs_with("--configfile", str(other))
     assert {j.wildcards["device"] for j in jobs if j.rule == "run_combination"} == {"solo"}
     merged = workspace.planned_jobs_with("--config", "repeats=2")
-    assert {j.wildcards["device"] for j in merged if j.rule == "run_combination"} == {"cpu", "cpu-fa"}
+    assert {j.wildcards["device"] for j in merged if j.rule == "run_combination"} == {
+        "cpu",
+        "cpu-fa",
+    }
 
 
 def test_duplicate_keys_are_named_not_silently_merged(workspace: Workspace) -> None:

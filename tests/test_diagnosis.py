@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from qdiff.diagnosis import activation_formats, diagnose
+from qdiff.backends import BACKENDS
+from qdiff.diagnosis import diagnose
 
-WEIGHTS = {"none": {"f32": 10, "q4_K": 20, "q8_0": 2}, "f32": {"f32": 32}, "f16": {"f32": 10, "f16": 22}}
+WEIGHTS = {
+    "none": {"f32": 10, "q4_K": 20, "q8_0": 2},
+    "f32": {"f32": 32},
+    "f16": {"f32": 10, "f16": 22},
+}
 
 
 def record(device: str, dequant: str, backend: str = "cpu", **settings) -> dict:
     return {
+        "model": "m",
         "device": device,
         "dequant": dequant,
         "status": "ok",
@@ -27,15 +33,28 @@ def matrix(devices: dict[str, dict], dequants: list[str], max_abs: dict[tuple[st
     for ra, rb in combinations(records, 2):
         a, b = f"{ra['device']}.{ra['dequant']}", f"{rb['device']}.{rb['dequant']}"
         value = max_abs.get((a, b), max_abs.get((b, a), 0.01))
-        differs = [f"{k} {ra['settings'][k]}→{rb['settings'][k]}" for k in ra["settings"]
-                   if ra["settings"][k] != rb["settings"].get(k)]
+        differs = [
+            f"{k} {ra['settings'][k]}→{rb['settings'][k]}"
+            for k in ra["settings"]
+            if ra["settings"][k] != rb["settings"].get(k)
+        ]
         if ra["dequant"] != rb["dequant"]:
             differs.insert(0, f"dequant {ra['dequant']}→{rb['dequant']}")
-        pairs.append({
-            "a": a, "b": b, "status": "ok", "differs": differs,
-            "summary": {"max_abs": value, "bit_identical": 8 if value == 0 else 0,
-                        "n_prompts": 8, "forked": 3 if value > 1 else 0},
-        })
+        pairs.append(
+            {
+                "model": "m",
+                "a": a,
+                "b": b,
+                "status": "ok",
+                "differs": differs,
+                "summary": {
+                    "max_abs_max": value,
+                    "bit_identical_count": 8 if value == 0 else 0,
+                    "n_prompts": 8,
+                    "forked": 3 if value > 1 else 0,
+                },
+            }
+        )
     return records, pairs
 
 
@@ -47,8 +66,9 @@ CPU_CUDA = {"cpu": {"backend": "cpu"}, "gpu": {"backend": "cuda"}}
 
 
 def test_activation_quantization_when_the_file_differs_far_more_than_its_copies() -> None:
-    records, pairs = matrix(CPU_CUDA, ["none", "f32"], {("cpu.none", "gpu.none"): 2.0,
-                                                       ("cpu.f32", "gpu.f32"): 0.02})
+    records, pairs = matrix(
+        CPU_CUDA, ["none", "f32"], {("cpu.none", "gpu.none"): 2.0, ("cpu.f32", "gpu.f32"): 0.02}
+    )
     found = [f for f in diagnose(records, pairs) if f.rule == "activation-quantization"]
     assert len(found) == 1
     assert "100× more" in found[0].text and "max |Δ| 2 vs 0.02" in found[0].text
@@ -57,16 +77,21 @@ def test_activation_quantization_when_the_file_differs_far_more_than_its_copies(
 
 
 def test_no_activation_quantization_when_copies_differ_as_much() -> None:
-    records, pairs = matrix(CPU_CUDA, ["none", "f32"], {("cpu.none", "gpu.none"): 0.05,
-                                                       ("cpu.f32", "gpu.f32"): 0.02})
+    records, pairs = matrix(
+        CPU_CUDA, ["none", "f32"], {("cpu.none", "gpu.none"): 0.05, ("cpu.f32", "gpu.f32"): 0.02}
+    )
     found = diagnose(records, pairs)
     assert "activation-quantization" not in rules(found)
     assert "unexplained" in rules(found)  # no f16 copy: the f32 gap cannot be explained
 
 
 def test_float_precision_when_the_f32_gap_is_within_one_fp16_rounding() -> None:
-    gaps = {("cpu.none", "gpu.none"): 2.0, ("cpu.f32", "gpu.f32"): 0.03,
-            ("gpu.f32", "gpu.f16"): 0.13, ("cpu.f32", "cpu.f16"): 0.03}
+    gaps = {
+        ("cpu.none", "gpu.none"): 2.0,
+        ("cpu.f32", "gpu.f32"): 0.03,
+        ("gpu.f32", "gpu.f16"): 0.13,
+        ("cpu.f32", "cpu.f16"): 0.03,
+    }
     found = diagnose(*matrix(CPU_CUDA, ["none", "f32", "f16"], gaps))
     fp = [f for f in found if f.rule == "float-precision"]
     assert len(fp) == 1 and fp[0].numbers == {"f32": 0.03, "fp16_rounding": 0.13}
@@ -74,8 +99,12 @@ def test_float_precision_when_the_f32_gap_is_within_one_fp16_rounding() -> None:
 
 
 def test_f32_gap_beyond_fp16_rounding_is_unexplained() -> None:
-    gaps = {("cpu.none", "gpu.none"): 2.0, ("cpu.f32", "gpu.f32"): 0.5,
-            ("gpu.f32", "gpu.f16"): 0.1, ("cpu.f32", "cpu.f16"): 0.05}
+    gaps = {
+        ("cpu.none", "gpu.none"): 2.0,
+        ("cpu.f32", "gpu.f32"): 0.5,
+        ("gpu.f32", "gpu.f16"): 0.1,
+        ("cpu.f32", "cpu.f16"): 0.05,
+    }
     found = diagnose(*matrix(CPU_CUDA, ["none", "f32", "f16"], gaps))
     assert "float-precision" not in rules(found)
     assert any(f.rule == "unexplained" and "more than one fp16 rounding" in f.text for f in found)
@@ -83,32 +112,87 @@ def test_f32_gap_beyond_fp16_rounding_is_unexplained() -> None:
 
 def test_setting_names_the_one_that_differs() -> None:
     devices = {"cpu": {"backend": "cpu"}, "cpu-fa": {"backend": "cpu", "flash_attn": True}}
-    found = diagnose(*matrix(devices, ["none", "f32"], {("cpu.none", "cpu-fa.none"): 1.8,
-                                                       ("cpu.f32", "cpu-fa.f32"): 0.0}))
+    found = diagnose(
+        *matrix(
+            devices,
+            ["none", "f32"],
+            {("cpu.none", "cpu-fa.none"): 1.8, ("cpu.f32", "cpu-fa.f32"): 0.0},
+        )
+    )
     setting = [f for f in found if f.rule == "setting"]
     assert len(setting) == 1
     assert "differ only in flash_attn False→True" in setting[0].text
-    assert "none: max |Δ| 1.8, forks 3/8" in setting[0].text and "f32: bit-identical" in setting[0].text
+    assert "none: max |Δ| 1.8, forks 3/8" in setting[0].text
+    assert "f32: bit-identical on all 8 prompts" in setting[0].text
 
 
 def test_device_blame_when_a_same_device_change_moves_as_much() -> None:
-    devices = {"cpu": {"backend": "cpu"}, "cpu-fa": {"backend": "cpu", "flash_attn": True},
-               "gpu": {"backend": "cuda"}}
+    devices = {
+        "cpu": {"backend": "cpu"},
+        "cpu-fa": {"backend": "cpu", "flash_attn": True},
+        "gpu": {"backend": "cuda"},
+    }
     gaps = {("cpu.none", "gpu.none"): 2.2, ("cpu.none", "cpu-fa.none"): 1.8}
     found = [f for f in diagnose(*matrix(devices, ["none"], gaps)) if f.rule == "device-blame"]
     assert any("`cpu` vs `gpu`" in f.text and "82% as much" in f.text for f in found)
 
 
 def test_no_device_blame_when_same_device_changes_are_small() -> None:
-    devices = {"cpu": {"backend": "cpu"}, "cpu-fa": {"backend": "cpu", "flash_attn": True},
-               "gpu": {"backend": "cuda"}}
-    gaps = {("cpu.none", "gpu.none"): 2.2, ("cpu-fa.none", "gpu.none"): 2.2,
-            ("cpu.none", "cpu-fa.none"): 0.1}
+    devices = {
+        "cpu": {"backend": "cpu"},
+        "cpu-fa": {"backend": "cpu", "flash_attn": True},
+        "gpu": {"backend": "cuda"},
+    }
+    gaps = {
+        ("cpu.none", "gpu.none"): 2.2,
+        ("cpu-fa.none", "gpu.none"): 2.2,
+        ("cpu.none", "cpu-fa.none"): 0.1,
+    }
     assert "device-blame" not in rules(diagnose(*matrix(devices, ["none"], gaps)))
 
 
 def test_activation_formats_follow_the_backend() -> None:
     types = ["f32", "q4_K", "q5_0", "q4_1"]
-    assert activation_formats("cpu", types) == "cpu: q5_0→Q8_0; q4_1→Q8_1; q4_K→Q8_K"
-    assert activation_formats("metal", types).endswith("activations not quantized")
-    assert activation_formats("cpu", ["f32"]) == "cpu: no quantized weights"
+    assert BACKENDS["cpu"].activation_formats(types) == "cpu: q5_0→Q8_0; q4_1→Q8_1; q4_K→Q8_K"
+    assert BACKENDS["metal"].activation_formats(types).endswith("activations not quantized")
+    assert BACKENDS["cpu"].activation_formats(["f32"]) == "cpu: no quantized weights"
+    for backend in BACKENDS.values():  # every backend says what it does; none is silent
+        assert backend.activation_formats(types).startswith(f"{backend.name}: q")
+
+
+def forced_pair(a: str, b: str, forks: list[tuple[str, int, str]]) -> dict:
+    return {
+        "model": "m",
+        "a": a,
+        "b": b,
+        "status": "ok",
+        "differs": [],
+        "forced": {
+            "status": "ok",
+            "red_flags": sum(k == "red flag" for *_, k in forks),
+            "tie_threshold": 0.5,
+            "n_differing": 40,
+            "max_abs_median_differing": 0.25,
+            "forks": [
+                {"prompt": p, "position": t, "kind": k, "margin": 0.1, "margin_exact": True}
+                for p, t, k in forks
+            ],
+        },
+    }
+
+
+def test_forks_are_counted_by_site_and_a_site_is_a_tie_only_if_every_pair_says_so() -> None:
+    pairs = [
+        forced_pair("cpu.none", "cpu-fa.none", [("p", 3, "near tie"), ("q", 5, "near tie")]),
+        forced_pair("cpu.none", "cpu-fa.f32", [("p", 3, "near tie"), ("q", 5, "undetermined")]),
+        forced_pair("cpu.f32", "cpu-fa.none", [("p", 3, "near tie")]),
+    ]
+    (found,) = [f for f in diagnose([], pairs) if f.rule == "forks"]
+    assert (
+        found.numbers["forks"] == 5
+        and found.numbers["sites"] == 2
+        and found.numbers["tie_sites"] == 1
+    )
+    assert "3 pairs forked 5 times in all, at 2 distinct positions" in found.text
+    assert "1 are undetermined" in found.text
+    assert "expected to do" not in found.text  # not every site is a tie: no such claim

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qdiff.forcing import ForcedRecorder, TIE_FACTOR, compare_forced, digest, top_ids
+from qdiff.forcing import TIE_FACTOR, ForcedRecorder, compare_forced, digest, top_ids
 from qdiff.metrics import logit_metrics
 
 VOCAB = 64
@@ -15,8 +15,10 @@ def record(positions: list[np.ndarray], top_k: int, teacher_ids=None) -> tuple[d
     """One prompt forced along tokens 0..n-1; returns the arrays and the slice ids used."""
     rec = ForcedRecorder(1, len(positions), top_k)
     rec.begin_prompt(0, 5, list(range(len(positions))))
-    used = [rec.add(0, t, x, None if teacher_ids is None else teacher_ids[t])
-            for t, x in enumerate(positions)]
+    used = [
+        rec.add(0, t, x, None if teacher_ids is None else teacher_ids[t])
+        for t, x in enumerate(positions)
+    ]
     return rec.arrays, used
 
 
@@ -64,7 +66,7 @@ def test_full_slice_kl_equals_full_vocabulary_kl_and_a_smaller_slice_bounds_it()
     coarse = pair(a, b, top_k=8)
     assert all(
         c["kl_mean"] <= e["kl_mean"] + 1e-12
-        for c, e in zip(coarse["per_position"], exact["per_position"])
+        for c, e in zip(coarse["per_position"], exact["per_position"], strict=True)
     )
 
 
@@ -96,21 +98,43 @@ def test_a_large_margin_fork_is_a_red_flag() -> None:
     result = pair(a + [ta], b + [tb])
     (fork,) = [f for f in result["forks"] if f["position"] == 9]
     assert fork["margin"] == pytest.approx(3.0)
-    assert fork["margin"] > result["tie_threshold"] == pytest.approx(
-        TIE_FACTOR * result["max_abs_median_differing"]
+    assert (
+        fork["margin"]
+        > result["tie_threshold"]
+        == pytest.approx(TIE_FACTOR * result["max_abs_median_differing"])
     )
     assert fork["kind"] == "red flag" and result["red_flags"] == 1
 
 
 def test_a_fork_to_a_token_outside_the_slice_gives_a_lower_bound() -> None:
+    rng = np.random.default_rng(5)
+    a_pos, b_pos = noisy(rng, 10, scale=0.02)
     a = np.linspace(10, 0, VOCAB).astype(np.float32)  # teacher: token 0 first, 63 last
     b = a.copy()
     b[VOCAB - 1] = 20.0  # b's top token is outside the teacher's top 4
-    result = pair([a], [b], top_k=4)
-    (fork,) = result["forks"]
+    result = pair(a_pos + [a], b_pos + [b], top_k=4)
+    (fork,) = [f for f in result["forks"] if f["position"] == 10]
     assert fork["token_b"] == VOCAB - 1 and not fork["margin_exact"]
     assert fork["margin"] == pytest.approx(10.0)  # b: 20 for its token, 10 for a's
-    assert fork["kind"] == "red flag"
+    assert fork["kind"] == "red flag"  # even its lower bound is far above the threshold
+
+
+def test_a_fork_is_a_near_tie_only_where_that_is_defensible() -> None:
+    """An inexact margin under the threshold, or a pair that differs at too few positions to
+    know its typical difference, is undetermined: never counted as a tie."""
+    a = np.full(VOCAB, -5.0, dtype=np.float32)
+    a[0], a[1] = 5.0, 4.99  # a: token 0 by 0.01
+    b = a.copy()
+    b[VOCAB - 1] = 5.005  # b's top token lies outside a top-2 slice, just above a's token 0
+    few = pair([a], [b], top_k=2)  # one differing position: no scale
+    (fork,) = few["forks"]
+    assert fork["kind"] == "undetermined" and few["undetermined"] == 1 and few["near_ties"] == 0
+    rng = np.random.default_rng(6)
+    a_pos, b_pos = noisy(rng, 12, scale=1.0)
+    many = pair(a_pos + [a], b_pos + [b], top_k=2)
+    (fork,) = [f for f in many["forks"] if f["position"] == 12]
+    assert not fork["margin_exact"] and fork["margin"] <= many["tie_threshold"]
+    assert fork["kind"] == "undetermined"  # a lower bound under the threshold proves nothing
 
 
 def test_sequences_that_differ_are_not_compared() -> None:
@@ -124,8 +148,10 @@ def test_the_tie_threshold_ignores_bit_identical_positions() -> None:
     """A pair identical at most positions (TF32 on/off) judges its forks by the positions
     where it differs, not by a median of zero."""
     rng = np.random.default_rng(4)
-    a = [rng.normal(0, 3, VOCAB).astype(np.float32) for _ in range(9)]
-    b = [x.copy() for x in a[:6]] + [(x + rng.normal(0, 0.3, VOCAB)).astype(np.float32) for x in a[6:]]
+    a = [rng.normal(0, 3, VOCAB).astype(np.float32) for _ in range(30)]
+    b = [x.copy() for x in a[:18]] + [
+        (x + rng.normal(0, 0.3, VOCAB)).astype(np.float32) for x in a[18:]
+    ]
     ta, tb = tie_position(0.2, 0.1)
     result = pair(a + [ta], b + [tb])
     assert result["max_abs_median"] == 0 < result["max_abs_median_differing"]

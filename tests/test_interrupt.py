@@ -1,7 +1,9 @@
-"""A SIGKILL of the whole running workflow loses nothing and leaves nothing that looks done."""
+"""A SIGKILL of the workflow loses nothing, leaves nothing running, nothing half-written, and
+no late writer can overwrite a newer result."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,38 +15,94 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Workspace, tiny_config
+from qdiff.jobs import Job
 
 pytestmark = pytest.mark.workflow
 
 
-def test_sigkill_mid_run_then_rerun_completes(workspace: Workspace, tiny_gguf: Path) -> None:
-    prompts = [{"id": f"p{i}", "text": f"Once upon a time {i}"} for i in range(40)]
-    workspace.write_config(
-        tiny_config(tiny_gguf, prompts=prompts, generation={"n_tokens": 200, "n_ctx": 512})
+def session_processes(sid: int) -> list[str]:
+    """The live processes of a session (Linux /proc): the workflow and everything it started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(
+                stat.parent.name
+                + " "
+                + (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            )
+    return found
+
+
+def snapshot(root: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in (root / "results").rglob("*") if p.is_file()}
+
+
+def test_sigkill_of_snakemake_alone_stops_every_job_then_rerun_completes(
+    workspace: Workspace, tiny_gguf: Path
+) -> None:
+    # long enough (about 8 s a run) that a run the kill hits cannot finish in the grace time
+    prompts = [{"id": f"p{i}", "text": f"Once upon a time {i}"} for i in range(60)]
+    config = tiny_config(
+        tiny_gguf,
+        prompts=prompts,
+        generation={"n_tokens": 400, "n_ctx": 512},
+        teacher_forcing={"enabled": False},
     )
-    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"),
-           "--directory", str(workspace.root), "--cores", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    del config["models"]["tiny"]["requantize"]
+    workspace.write_config(config)
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "--snakefile",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workspace.root),
+        "--cores",
+        "2",
+    ]
+    # its own session, so the test can see (and, if it fails, clean up) all it started
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     logs = workspace.root / "results/logs/run"
     deadline = time.monotonic() + 300
     try:
-        # wait until a run is inside llama.cpp (its first prompt done), then kill everything
+        # wait until a run is inside llama.cpp (its first prompt done), then kill Snakemake
+        # only: its jobs and their llama.cpp processes must not go on without it
         while time.monotonic() < deadline:
-            if any("[qdiff] prompt p0" in f.read_text(errors="replace") for f in logs.rglob("*.log")):
+            if any(
+                "[qdiff] prompt p0" in f.read_text(errors="replace") for f in logs.rglob("*.log")
+            ):
                 break
             assert proc.poll() is None, "workflow ended before it could be killed"
             time.sleep(0.05)
         else:
             pytest.fail("no run started within 300 s")
-        os.killpg(proc.pid, signal.SIGKILL)
-    finally:
+        os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+        deadline = time.monotonic() + 3  # the watchdog looks twice a second
+        while session_processes(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_processes(proc.pid) == [], "jobs outlived the workflow"
+        before = snapshot(workspace.root)
+        time.sleep(2)
+        assert snapshot(workspace.root) == before, "something wrote into results/ after the kill"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     killed_at = time.time()
     interrupted = [
-        f for f in logs.rglob("*.log")
+        f
+        for f in logs.rglob("*.log")
         if "[qdiff] prompt p0" in f.read_text(errors="replace")
-        and not (workspace.root / "results/runs" / f.relative_to(logs).with_suffix("") / "record.json").exists()
+        and not (
+            workspace.root / "results/runs" / f.relative_to(logs).with_suffix("") / "record.json"
+        ).exists()
     ]
     assert interrupted, "the kill should have hit a run that had not finished"
     assert not (workspace.root / "results/summary.md").exists()
@@ -56,11 +114,30 @@ def test_sigkill_mid_run_then_rerun_completes(workspace: Workspace, tiny_gguf: P
     workspace.snakemake("--unlock")
     workspace.snakemake()
     for log in interrupted:
-        record = workspace.root / "results/runs" / log.relative_to(logs).with_suffix("") / "record.json"
+        record = (
+            workspace.root / "results/runs" / log.relative_to(logs).with_suffix("") / "record.json"
+        )
         assert json.loads(record.read_text())["status"] == "ok"
         assert record.stat().st_mtime > killed_at
-        assert not list(record.parent.glob(".run-*"))
+        assert not list(record.parent.glob(".*"))  # no staging or worker leftovers
     records = list((workspace.root / "results/runs").glob("*/*/*/record.json"))
-    assert len(records) == 8
+    assert len(records) == 4
     assert all(json.loads(r.read_text())["status"] == "ok" for r in records)
     assert workspace.planned_jobs() == []
+
+
+def test_a_late_writer_never_overwrites_a_newer_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Job A outlives its workflow; the rerun's job B starts for the same output and
+    finishes. When A finally commits, B's result stays and A's is discarded."""
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "results" / "record.json"
+    late = Job([str(output)], None, token="a" * 32)
+    newer = Job([str(output)], None, token="b" * 32)
+    newer.out(output).write_text("newer")
+    assert newer.commit(lambda out, staged: None)
+    late.out(output).write_text("late")
+    assert not late.commit(lambda out, staged: None)
+    assert output.read_text() == "newer"
+    assert sorted(p.name for p in output.parent.iterdir()) == ["record.json"]

@@ -1,24 +1,39 @@
-"""The workflow passes Snakemake's linter and snakefmt, as the project requires."""
+"""The workflow and the library pass their linters, formatters and type checker, as the
+project requires (configured in pyproject.toml)."""
 
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
+PYTHON = ["src", "tests", "workflow/scripts"]
+SNAKEMAKE_FILES = [REPO / "Snakefile", *sorted((REPO / "workflow/rules").glob("*.smk"))]
 
-def test_snakemake_lint_is_clean() -> None:
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(
+            [
+                "snakemake",
+                "--lint",
+                "--snakefile",
+                str(REPO / "Snakefile"),
+                "--directory",
+                str(REPO),
+            ],
+            id="snakemake-lint",
+        ),
+        pytest.param(["snakefmt", "--check", *map(str, SNAKEMAKE_FILES)], id="snakefmt"),
+        pytest.param(["ruff", "check", *PYTHON], id="ruff-check"),
+        pytest.param(["ruff", "format", "--check", *PYTHON], id="ruff-format"),
+        pytest.param(["mypy"], id="mypy"),
+    ],
+)
+def test_clean(command: list[str]) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--lint", "--snakefile", str(REPO / "Snakefile"),
-         "--directory", str(REPO)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def test_snakefmt_is_clean() -> None:
-    files = [REPO / "Snakefile", *sorted((REPO / "workflow/rules").glob("*.smk"))]
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakefmt", "--check", *map(str, files)],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", *command], capture_output=True, text=True, timeout=600, cwd=REPO
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

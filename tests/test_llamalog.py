@@ -1,6 +1,12 @@
 """Reading placement and settings from llama.cpp's log (lines as llama.cpp 0.3.36 prints them)."""
 
-from qdiff.llamalog import cpu_features, error_lines, parse_placement, placement_problem
+from qdiff.llamalog import (
+    abort_lines,
+    cpu_features,
+    failure_reason,
+    parse_placement,
+    placement_problem,
+)
 
 CPU_LOG = """\
 llama_model_loader: - type  f32:  109 tensors
@@ -50,7 +56,9 @@ def test_partial_offload_and_wrong_device_are_refused() -> None:
     assert "a cpu device placed weights in CUDA0" in placement_problem(
         "cpu", parse_placement(CUDA_LOG), ["CPU"]
     )
-    assert "no GPU offload support" in placement_problem("cuda", parse_placement(CPU_LOG), ["CUDA0"])
+    assert "no GPU offload support" in placement_problem(
+        "cuda", parse_placement(CPU_LOG), ["CUDA0"]
+    )
     assert "no model buffers" in placement_problem("cpu", parse_placement(""), ["CPU"])
 
 
@@ -59,15 +67,23 @@ def test_host_buffers_of_gpu_builds_count_as_cpu() -> None:
     assert placement_problem("cpu", parse_placement(log), ["CPU"]) is None
 
 
-def test_error_lines_and_features() -> None:
+def test_the_reason_is_llama_cpps_own_words_never_an_ordinary_line() -> None:
+    """Ordinary log lines that contain words like "unknown" or "failed" are not reasons:
+    only the messages llama.cpp logged at ERROR level and ggml's abort lines are."""
     log = (
-        "ok\ngguf_init_from_file_impl: failed to read magic\nllama_model_load: error loading model\n"
-        "#2  0x00007f in ggml_abort () from libggml-base.so\nfine\n"
+        "llama_model_loader: - kv  21: tokenizer.ggml.unknown_token_id u32 = 3\n"
+        "print_info: n_swa = 512 (failed checks: 0)\n"
+        "/src/llama-vocab.cpp:2317: GGML_ASSERT(id_to_token.size() == token_to_id.size()) failed\n"
+        "#2  0x00007f in ggml_abort () from libggml-base.so\n"
     )
-    assert error_lines(log) == [
-        "gguf_init_from_file_impl: failed to read magic",
-        "llama_model_load: error loading model",
+    assert abort_lines(log) == [
+        "/src/llama-vocab.cpp:2317: GGML_ASSERT(id_to_token.size() == token_to_id.size()) failed"
     ]
+    errors = ["llama_init_from_model: quantized V cache requires flash_attn to be enabled"]
+    assert failure_reason(errors, "llama_model_loader: unknown key ignored\n") == errors
+    assert failure_reason([], "print_info: file type = Q4_K (failed to guess: no)\n") == []
     assert cpu_features("CPU : SSE3 = 1 | AVX2 = 1 | AMX_INT8 = 1 | LLAMAFILE = 0 |") == [
-        "SSE3", "AVX2", "AMX_INT8"
+        "SSE3",
+        "AVX2",
+        "AMX_INT8",
     ]

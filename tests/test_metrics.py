@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from qdiff.compare import compare_runs, what_differs
-from qdiff.metrics import fork_step, logit_metrics
+from qdiff.metrics import PAIR_METRICS, fork_step, logit_metrics, summarise
 
 
 def test_logit_metrics_match_their_definitions() -> None:
@@ -21,8 +21,8 @@ def test_logit_metrics_match_their_definitions() -> None:
     pb = np.exp(b[0]) / np.exp(b[0]).sum()
     assert m["kl"][0] == pytest.approx(float((pa * np.log(pa / pb)).sum()))
     assert m["kl"][1] == 0.0
-    assert m["top1_a"].tolist() == [3, 3] and m["top1_b"].tolist() == [2, 3]  # ties: lowest id
-    assert m["margin_a"][0] == pytest.approx(1.0)
+    assert m["top1_agree"].tolist() == [False, True]  # a: token 3; b: a tie, lowest id (2)
+    assert m["top1_margin_a"][0] == pytest.approx(1.0)
     assert m["bit_identical"].tolist() == [False, True]
 
 
@@ -32,20 +32,49 @@ def test_kl_is_stable_for_large_logits() -> None:
     assert np.isfinite(m["kl"]).all() and m["kl"][0] >= 0
 
 
-def test_shapes_must_match() -> None:
+def test_shapes_must_match_and_empty_logits_are_not_compared() -> None:
     with pytest.raises(ValueError, match="logit shapes differ"):
         logit_metrics(np.zeros((1, 3)), np.zeros((1, 4)))
+    # nothing to compare is never "bit-identical"
+    with pytest.raises(ValueError, match="no logits to compare"):
+        logit_metrics(np.zeros((1, 0)), np.zeros((1, 0)))
+
+
+def test_every_declared_metric_is_computed_summarised_and_kept_per_prompt() -> None:
+    """A metric is one entry in PAIR_METRICS: computed, summarised and stored with no
+    other file to edit (this test iterates the table, so a new entry is tested too)."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(3, 16)).astype(np.float32)
+    b = (a + rng.normal(scale=0.1, size=a.shape)).astype(np.float32)
+    values = logit_metrics(a, b)
+    summary = summarise(values)
+    recs = [record(d, "none", [[1], [2], [3]]) for d in ("cpu", "cpu2")]
+    result = compare_runs(recs[0], a, recs[1], b)
+    for m in PAIR_METRICS:
+        assert values[m.key].shape == (3,)
+        assert all(m.key in p for p in result["prompts"])
+        for stat in m.summaries:
+            assert m.summary_key(stat) in summary and m.summary_key(stat) in result["summary"]
+        for stat in m.shown:
+            assert stat in m.summaries
 
 
 @pytest.mark.parametrize(
     ("a", "b", "step"),
-    [([1, 2, 3], [1, 2, 3], None), ([1, 2, 3], [1, 5, 3], 1), ([7], [8], 0), ([1, 2], [1, 2, 3], 2)],
+    [
+        ([1, 2, 3], [1, 2, 3], None),
+        ([1, 2, 3], [1, 5, 3], 1),
+        ([7], [8], 0),
+        ([1, 2], [1, 2, 3], 2),
+    ],
 )
 def test_fork_step(a, b, step) -> None:
     assert fork_step(a, b) == step
 
 
-def record(device: str, dequant: str, tokens: list[list[int]], status: str = "ok", **settings) -> dict:
+def record(
+    device: str, dequant: str, tokens: list[list[int]], status: str = "ok", **settings
+) -> dict:
     return {
         "model": "m",
         "device": device,
@@ -53,7 +82,8 @@ def record(device: str, dequant: str, tokens: list[list[int]], status: str = "ok
         "status": status,
         "settings": {"backend": "cpu", "flash_attn": False, **settings},
         "prompts": [
-            {"id": f"p{i}", "tokens": t, "text": str(t), "n_prompt_tokens": 3} for i, t in enumerate(tokens)
+            {"id": f"p{i}", "tokens": t, "text": str(t), "n_prompt_tokens": 3}
+            for i, t in enumerate(tokens)
         ],
     }
 
@@ -66,9 +96,10 @@ def test_compare_runs_summarises_prompts() -> None:
     result = compare_runs(a, la, b, lb)
     assert result["status"] == "ok"
     assert result["differs"] == ["flash_attn off→on"]
+    assert result["relation"] == "settings"
     s = result["summary"]
-    assert s["max_abs"] == 0.5 and s["forked"] == 1 and s["first_fork_step"] == 1
-    assert s["top1_agree"] == 2 and s["bit_identical"] == 1
+    assert s["max_abs_max"] == 0.5 and s["forked"] == 1 and s["first_fork_step"] == 1
+    assert s["top1_agree_count"] == 2 and s["bit_identical_count"] == 1
     assert [p["fork_step"] for p in result["prompts"]] == [None, 1]
 
 

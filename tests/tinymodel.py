@@ -13,10 +13,37 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-WORDS = (
-    "the is a of and to in What Rust capital France Once upon time there was def return "
-    "number question answer colors plants dragon village mountain Die Hauptstadt ist"
-).split()
+WORDS = [
+    "the",
+    "is",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "What",
+    "Rust",
+    "capital",
+    "France",
+    "Once",
+    "upon",
+    "time",
+    "there",
+    "was",
+    "def",
+    "return",
+    "number",
+    "question",
+    "answer",
+    "colors",
+    "plants",
+    "dragon",
+    "village",
+    "mountain",
+    "Die",
+    "Hauptstadt",
+    "ist",
+]
 
 
 def spm_vocab(duplicate_piece: bool = False) -> tuple[list[str], list[float], list[int]]:
@@ -43,21 +70,59 @@ def write_tiny_llama(
     n_ff: int = 256,
     n_ctx: int = 512,
     arch: str = "llama",
+    n_head_kv: int | None = None,
 ) -> Path:
-    """Write an F32 llama GGUF with random weights at ``path``."""
+    """Write an F32 GGUF with random weights at ``path``: a llama (or, with ``arch``, a
+    file that claims another architecture and has llama's tensors)."""
+    return write_tiny_model(path, arch, seed, n_embd, n_layer, n_head, n_ff, n_ctx, n_head_kv)
+
+
+def write_tiny_gemma3(path: Path, seed: int = 0, n_layer: int = 3, n_swa: int = 4) -> Path:
+    """Write an F32 gemma3 GGUF with random weights: per-head Q/K norms, post-attention and
+    post-feed-forward norms, GELU, one KV head, and a sliding window short enough that a
+    test's prompt crosses it. Every second layer is global (layers 0 and 2 local, 1 global):
+    Gemma's own pattern is 6, and this keeps the model shallow."""
+    return write_tiny_model(
+        path, "gemma3", seed, n_layer=n_layer, n_head_kv=1, n_swa=n_swa, swa_pattern=2
+    )
+
+
+def write_tiny_model(
+    path: Path,
+    arch: str,
+    seed: int = 0,
+    n_embd: int = 128,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_ff: int = 256,
+    n_ctx: int = 512,
+    n_head_kv: int | None = None,
+    n_swa: int = 0,
+    swa_pattern: int = 0,
+) -> Path:
     rng = np.random.default_rng(seed)
     tokens, scores, types = spm_vocab()
     n_vocab = len(tokens)
+    n_head_kv = n_head_kv or n_head
+    head_dim = n_embd // n_head
+    gemma = arch == "gemma3"
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(f"qdiff-tiny-{seed}")
+    writer.add_name(f"qdiff-tiny-{seed}" if arch == "llama" else f"qdiff-tiny-{arch}-{seed}")
     writer.add_context_length(n_ctx)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)
     writer.add_feed_forward_length(n_ff)
     writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head)
-    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_head_count_kv(n_head_kv)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
+    if gemma:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_freq_base(1e6)  # global layers; local layers use llama.cpp's 1e4
+        writer.add_sliding_window(n_swa)
+        if swa_pattern:
+            writer.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
     writer.add_file_type(0)  # all F32
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -74,17 +139,27 @@ def write_tiny_llama(
     def norm(size: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
-    writer.add_tensor("token_embd.weight", matrix(n_vocab, n_embd) * float(np.sqrt(n_embd) / 4))
+    # gemma scales the embeddings by sqrt(n_embd) itself
+    embedding = matrix(n_vocab, n_embd) * float(np.sqrt(n_embd) / 4)
+    writer.add_tensor("token_embd.weight", embedding / (float(np.sqrt(n_embd)) if gemma else 1.0))
     writer.add_tensor("output_norm.weight", norm(n_embd))
-    writer.add_tensor("output.weight", matrix(n_vocab, n_embd) * 4.0)
+    if not gemma:  # gemma ties the output to the embeddings
+        writer.add_tensor("output.weight", matrix(n_vocab, n_embd) * 4.0)
     for i in range(n_layer):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", norm(n_embd))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(n_embd, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", matrix(n_head * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", matrix(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(n_head_kv * head_dim, n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(n_embd, n_head * head_dim))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm(n_embd))
         writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(n_ff, n_embd))
         writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(n_embd, n_ff))
+        if gemma:
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(head_dim))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(head_dim))
+            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm(n_embd))
+            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm(n_embd))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

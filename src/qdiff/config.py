@@ -10,6 +10,7 @@ import copy
 import ipaddress
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from itertools import combinations as pairs_of
@@ -20,15 +21,20 @@ from urllib.parse import urlparse
 import jsonschema
 import yaml
 
+from qdiff import secrets
+from qdiff.backends import BACKENDS
+from qdiff.labels import DEQUANT_MODES, PAIR_SEPARATOR, Combination, Pair
 from qdiff.quant import QUANT_TYPES
-from qdiff.settings import DeviceSettings
+from qdiff.settings import KV_CACHE_TYPES, DeviceSettings
+from qdiff.stages import CAPTURE, FORCED, RUN, Stage
 
 SOURCE_KINDS = ("url", "hf", "path", "package")
-DEQUANT_MODES = ("none", "f32", "f16", "bf16")
-# Names become path components and Snakemake wildcards: no separators, no "..",
-# and no "__", which separates the two combinations in a comparison's file name.
+# Names become path components and Snakemake wildcards: no separators, no "..", and no
+# "__", which separates the two combinations in a comparison's file name.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 REQUANT_INFIX = ".requant-"
+DEQUANT_INFIX = ".dequant-"
+MODELS_DIR = "resources/models"
 
 
 class ConfigError(ValueError):
@@ -56,21 +62,22 @@ class ModelSpec:
         return self.parent is not None
 
 
+def model_file(model: str, dequant: str = "none") -> str:
+    """The GGUF file a combination loads: the model itself or one of its dequantized copies."""
+    if dequant == "none":
+        return f"{MODELS_DIR}/{model}.gguf"
+    return f"{MODELS_DIR}/{model}{DEQUANT_INFIX}{dequant}.gguf"
+
+
+def model_info_file(model: str, dequant: str = "none") -> str:
+    """The JSON sidecar of a model file: its sha256 and origin, or why it is missing."""
+    return model_file(model, dequant) + ".json"
+
+
 @dataclass(frozen=True)
 class Prompt:
     id: str
     text: str
-
-
-@dataclass(frozen=True, order=True)
-class Combination:
-    model: str
-    device: str
-    dequant: str
-
-    @property
-    def label(self) -> str:
-        return f"{self.device}.{self.dequant}"
 
 
 @dataclass(frozen=True)
@@ -86,51 +93,58 @@ class Experiment:
     reference: str | None = None  # "device.dequant" the report measures everything against
     teacher_forcing: dict[str, Any] | None = None  # {"enabled": bool, "top_k": int}
     capture: dict[str, Any] | None = None  # {"enabled", "prompts", "tensors", "pairs"}
+    download: dict[str, Any] | None = None  # {"stall_window_s", "stall_min_bytes"}
+    exact: dict[str, Any] | None = None  # {"enabled"}
 
-    @property
-    def capture_enabled(self) -> bool:
-        return bool(self.capture and self.capture["enabled"])
+    # ---- the matrix ----
 
-    def capture_spec(self, combo: Combination) -> dict[str, Any]:
-        """A tensor capture's params: the run's, minus repeats, plus what to capture."""
-        assert self.capture is not None
-        spec = {k: v for k, v in self.run_spec(combo).items() if k != "repeats"}
-        prompts = self.capture["prompts"] or [self.prompts[0].id]
-        return {
-            **spec,
-            "prompts": [p for p in spec["prompts"] if p["id"] in prompts],
-            # one forward pass over the prompt: the number of tokens to generate is moot
-            "generation": {k: v for k, v in spec["generation"].items() if k != "n_tokens"},
-            "mode": "capture",
-            "capture": {"prompts": prompts, "tensors": self.capture["tensors"]},
-        }
+    def combinations(self, model: str) -> list[Combination]:
+        return [Combination(model, device, dq) for device in self.devices for dq in self.dequant]
 
-    @property
-    def forcing_enabled(self) -> bool:
-        return bool(self.teacher_forcing and self.teacher_forcing["enabled"])
+    def all_combinations(self) -> list[Combination]:
+        return [c for model in self.models for c in self.combinations(model)]
+
+    def pairs(self, model: str) -> list[Pair]:
+        """Every unordered pair of a model's combinations, in matrix order."""
+        return [Pair(a, b) for a, b in pairs_of(self.combinations(model), 2)]
+
+    def all_pairs(self) -> list[Pair]:
+        return [p for model in self.models for p in self.pairs(model)]
 
     def teacher(self, model: str) -> Combination:
         """The combination whose greedy output every other is forced along (qdiff.forcing):
         the reference, or else the model's first combination."""
         if self.reference:
-            device, _, dequant = self.reference.rpartition(".")
-            return Combination(model, device, dequant)
+            return Combination.parse(model, self.reference)
         return self.combinations(model)[0]
 
-    def combinations(self, model: str) -> list[Combination]:
-        return [
-            Combination(model, device, dq) for device in self.devices for dq in self.dequant
-        ]
+    # ---- the stages ----
 
-    def all_combinations(self) -> list[Combination]:
-        return [c for model in self.models for c in self.combinations(model)]
+    @property
+    def forcing_enabled(self) -> bool:
+        return bool(self.teacher_forcing and self.teacher_forcing["enabled"])
 
-    def pairs(self, model: str) -> list[tuple[Combination, Combination]]:
-        """Every unordered pair of a model's combinations, in matrix order."""
-        return list(pairs_of(self.combinations(model), 2))
+    @property
+    def capture_enabled(self) -> bool:
+        return bool(self.capture and self.capture["enabled"])
 
-    def run_spec(self, combo: Combination) -> dict[str, Any]:
-        """The slice of the config one run depends on: its job's params."""
+    @property
+    def exact_enabled(self) -> bool:
+        return bool(self.exact and self.exact["enabled"])
+
+    def stage_enabled(self, stage: Stage) -> bool:
+        return {RUN: True, FORCED: self.forcing_enabled, CAPTURE: self.capture_enabled}[stage]
+
+    def spec(self, stage: Stage, combo: Combination) -> dict[str, Any]:
+        """The slice of the config one stage's job depends on: its params."""
+        builders: dict[Stage, Callable[[Combination], dict[str, Any]]] = {
+            RUN: self._run_spec,
+            FORCED: self._forced_spec,
+            CAPTURE: self._capture_spec,
+        }
+        return {**builders[stage](combo), "mode": stage.mode}
+
+    def _run_spec(self, combo: Combination) -> dict[str, Any]:
         return {
             "model": combo.model,
             "device": combo.device,
@@ -138,34 +152,50 @@ class Experiment:
             "settings": self.devices[combo.device].as_dict(),
             "prompts": [{"id": p.id, "text": p.text} for p in self.prompts],
             "generation": dict(sorted(self.generation.items())),
-            "strict_devices": self.strict_devices,
-            "timeout_s": self.run_timeout_s,
             # only when asked for, so that existing runs keep their params (and their cache)
             **({"repeats": self.repeats} if self.repeats > 1 else {}),
         }
 
-    def forced_spec(self, combo: Combination) -> dict[str, Any]:
-        """A teacher-forced pass's params: the run's, minus repeats, plus the teacher."""
-        spec = {k: v for k, v in self.run_spec(combo).items() if k != "repeats"}
-        teacher = self.teacher(combo.model)
+    def _forced_spec(self, combo: Combination) -> dict[str, Any]:
+        """The run's spec, minus repeats, plus the teacher."""
+        spec = {k: v for k, v in self._run_spec(combo).items() if k != "repeats"}
         assert self.teacher_forcing is not None
+        teacher = self.teacher(combo.model)
         return {
             **spec,
-            "mode": "force",
             "forcing": {"teacher": teacher.label, "top_k": self.teacher_forcing["top_k"]},
+        }
+
+    def _capture_spec(self, combo: Combination) -> dict[str, Any]:
+        """The run's spec, minus repeats, plus what to capture; one forward pass per prompt,
+        so the number of tokens to generate is moot."""
+        assert self.capture is not None
+        spec = {k: v for k, v in self._run_spec(combo).items() if k != "repeats"}
+        prompts = self.capture["prompts"] or [self.prompts[0].id]
+        return {
+            **spec,
+            "prompts": [p for p in spec["prompts"] if p["id"] in prompts],
+            "generation": {k: v for k, v in spec["generation"].items() if k != "n_tokens"},
+            "capture": {"prompts": prompts, "tensors": self.capture["tensors"]},
         }
 
 
 def _schema() -> dict[str, Any]:
+    """The JSON schema, with the enums that live in qdiff's tables filled in."""
     text = resources.files("qdiff").joinpath("config.schema.yaml").read_text()
-    return yaml.safe_load(text)
+    schema = yaml.safe_load(text)
+    device = schema["properties"]["devices"]["additionalProperties"]["properties"]
+    device["backend"]["enum"] = list(BACKENDS)
+    device["kv_cache_type"]["enum"] = list(KV_CACHE_TYPES)
+    schema["properties"]["dequant"]["items"]["enum"] = list(DEQUANT_MODES)
+    return schema
 
 
 def _validator_with_defaults() -> type:
     """A Draft 2020-12 validator that fills in `default:` values while validating."""
     base = jsonschema.Draft202012Validator
 
-    def set_defaults(validator, properties, instance, schema):  # type: ignore[no-untyped-def]
+    def set_defaults(validator, properties, instance, schema):
         if isinstance(instance, dict):
             for key, sub in properties.items():
                 if "default" in sub and key not in instance:
@@ -175,22 +205,20 @@ def _validator_with_defaults() -> type:
     return jsonschema.validators.extend(base, {"properties": set_defaults})
 
 
-def _key_path(path: Any) -> str:
-    return "config" + "".join(
-        f"[{p}]" if isinstance(p, int) else f".{p}" for p in path
-    )
+def _key_path(path: Any, root: str = "config") -> str:
+    return root + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
 
 
-def _describe(error: jsonschema.ValidationError) -> str:
-    where = _key_path(error.absolute_path)
+def _describe(error: jsonschema.ValidationError, root: str = "config") -> str:
+    where = _key_path(error.absolute_path, root)
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
         unexpected = sorted(set(error.instance) - set(allowed))
         hint = f" (allowed: {', '.join(allowed)})" if allowed else ""
         return f"{where}: unknown key {', '.join(map(repr, unexpected))}{hint}"
-    if error.validator == "required":
-        return f"{where}: {error.message}"
-    if error.validator == "oneOf" and where.endswith(".prompts"):
+    if error.validator == "minLength" and error.instance == "":
+        return f"{where}: must not be empty"
+    if where.endswith(".prompts") and error.validator == "type":
         return f"{where}: must be a list of {{id, text}} or the path of a YAML file with that list"
     return f"{where}: {error.message}"
 
@@ -202,7 +230,7 @@ def _schema_problems(data: dict[str, Any]) -> list[str]:
 
 
 def _name_problem(kind: str, name: str) -> str | None:
-    if not SAFE_NAME.match(name) or ".." in name or "__" in name:
+    if not SAFE_NAME.match(name) or ".." in name or PAIR_SEPARATOR in name:
         return (
             f"config.{kind}: name {name!r} is not usable as a file name: use letters, "
             "digits and . _ + - (no '/', no '..', no '__', not empty)"
@@ -220,8 +248,14 @@ def _is_loopback(host: str | None) -> bool:
 
 
 def url_problem(url: str) -> str | None:
-    """Why a download URL is refused, or None. Plain http is allowed to loopback only."""
+    """Why a download URL is refused, or None. Plain http is allowed to loopback only;
+    credentials in the URL are refused (they would be logged wherever the URL is)."""
     parsed = urlparse(url)
+    if secrets.has_credentials(url):
+        return (
+            "credentials in the URL (user:password@) are refused: send a token with "
+            "token_env instead"
+        )
     if parsed.scheme == "https" and parsed.hostname:
         return None
     if parsed.scheme == "http" and _is_loopback(parsed.hostname):
@@ -238,6 +272,12 @@ def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, Model
         if problem := _name_problem("models", name):
             problems.append(problem)
             continue
+        for infix in (REQUANT_INFIX, DEQUANT_INFIX):
+            if infix in name:
+                problems.append(
+                    f"{key}: names containing {infix!r} are reserved for the models and "
+                    "copies qdiff derives (their files would collide)"
+                )
         kinds = [k for k in SOURCE_KINDS if k in entry]
         if len(kinds) != 1:
             problems.append(
@@ -269,29 +309,39 @@ def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, Model
             specs[derived] = ModelSpec(
                 name=derived, source=None, sha256=None, parent=name, quant=quant
             )
-    clashes = [n for n in specs if REQUANT_INFIX in n and specs[n].parent is None]
-    for name in clashes:
-        problems.append(
-            f"config.models.{name}: names containing {REQUANT_INFIX!r} are reserved "
-            "for derived models"
-        )
+    _file_collisions(specs, problems)
     return specs
 
 
-def _device_settings(
-    devices: dict[str, Any], problems: list[str]
-) -> dict[str, DeviceSettings]:
+def _file_collisions(specs: dict[str, ModelSpec], problems: list[str]) -> None:
+    """Two models whose files would be the same file (also on case-insensitive file systems,
+    as macOS uses): Snakemake could not tell which rule makes it."""
+    owner: dict[str, str] = {}
+    for name, spec in specs.items():
+        for dq in DEQUANT_MODES:
+            path = model_file(name, dq).lower()
+            if path in owner and owner[path] != name:
+                configured = spec.parent if spec.derived else name
+                problems.append(
+                    f"config.models.{configured}: model {name!r} would write "
+                    f"{model_file(name, dq)}, which model {owner[path]!r} writes too "
+                    "(names that differ only in case collide on case-insensitive file systems)"
+                )
+            owner.setdefault(path, name)
+
+
+def _device_settings(devices: dict[str, Any], problems: list[str]) -> dict[str, DeviceSettings]:
     settings: dict[str, DeviceSettings] = {}
-    for name, entry in devices.items():
+    for name, configured in devices.items():
         if problem := _name_problem("devices", name):
             problems.append(problem)
             continue
-        entry = dict(entry)
-        if entry["backend"] == "cpu":
+        entry = dict(configured)
+        if not BACKENDS[entry["backend"]].on_gpu:
             if entry.get("op_offload"):
                 problems.append(
-                    f"config.devices.{name}.op_offload: a cpu device cannot offload ops "
-                    "to a GPU (that would silently run part of it on another backend)"
+                    f"config.devices.{name}.op_offload: a {entry['backend']} device cannot "
+                    "offload ops to a GPU (that would silently run part of it on another backend)"
                 )
             entry["op_offload"] = False
         else:
@@ -300,24 +350,34 @@ def _device_settings(
     return settings
 
 
+def _prompt_list(value: Any, where: str, problems: list[str]) -> list[dict[str, Any]] | None:
+    item_schema = _schema()["$defs"]["prompt_list"]
+    errors = list(jsonschema.Draft202012Validator(item_schema).iter_errors(value))
+    problems += [_describe(e, where) for e in sorted(errors, key=lambda e: list(e.absolute_path))]
+    return None if errors else value
+
+
 def _prompts(value: Any, base_dir: Path, problems: list[str]) -> tuple[Prompt, ...]:
+    where = "config.prompts"
     if isinstance(value, str):
         path = base_dir / value
         try:
-            value = yaml.safe_load(path.read_text())
+            value = load_yaml_strict(path)
         except (OSError, yaml.YAMLError) as exc:
             problems.append(f"config.prompts: cannot read prompt file {path}: {exc}")
             return ()
-        item_schema = _schema()["properties"]["prompts"]["oneOf"][1]
-        for error in jsonschema.Draft202012Validator(item_schema).iter_errors(value):
-            problems.append(f"{_describe(error).replace('config', f'{path}', 1)}")
-        if problems:
+        except ConfigError as exc:
+            problems += exc.problems
             return ()
+        where = str(path)
+    items = _prompt_list(value, where, problems)
+    if items is None:
+        return ()
     prompts, seen = [], set()
-    for i, item in enumerate(value):
+    for i, item in enumerate(items):
         pid = item["id"]
         if pid in seen:
-            problems.append(f"config.prompts[{i}]: duplicate prompt id {pid!r}")
+            problems.append(f"{where}[{i}]: duplicate prompt id {pid!r}")
         elif problem := _name_problem("prompts", pid):
             problems.append(problem)
         seen.add(pid)
@@ -325,24 +385,40 @@ def _prompts(value: Any, base_dir: Path, problems: list[str]) -> tuple[Prompt, .
     return tuple(prompts)
 
 
+def _combination_label(
+    value: str,
+    where: str,
+    devices: dict[str, DeviceSettings],
+    dequant: list[str],
+    problems: list[str],
+) -> None:
+    try:
+        combo = Combination.parse("", value)
+    except ValueError:
+        combo = None
+    if combo is None or combo.device not in devices or combo.dequant not in dequant:
+        problems.append(
+            f"{where}: {value!r} is not a configured combination (write device.dequant, "
+            "e.g. cpu.f32)"
+        )
+
+
 def _reference(
     data: dict[str, Any], devices: dict[str, DeviceSettings], problems: list[str]
 ) -> str | None:
     if "reference" not in data:
         first = next(iter(devices), None)
-        return f"{first}.f32" if first and "f32" in data["dequant"] else None
-    device, _, dequant = data["reference"].rpartition(".")
-    if device not in devices or dequant not in data["dequant"]:
-        problems.append(
-            f"config.reference: {data['reference']!r} is not a configured combination "
-            "(write device.dequant, e.g. cpu.f32)"
-        )
-    return data["reference"]
+        return Combination("", first, "f32").label if first and "f32" in data["dequant"] else None
+    _combination_label(data["reference"], "config.reference", devices, data["dequant"], problems)
+    return str(data["reference"])
 
 
 def _check_capture(
-    capture: dict[str, Any], devices: dict[str, DeviceSettings], dequant: list[str],
-    prompts: tuple[Prompt, ...], problems: list[str],
+    capture: dict[str, Any],
+    devices: dict[str, DeviceSettings],
+    dequant: list[str],
+    prompts: tuple[Prompt, ...],
+    problems: list[str],
 ) -> None:
     known = {p.id for p in prompts}
     for pid in capture["prompts"]:
@@ -352,18 +428,16 @@ def _check_capture(
         re.compile(capture["tensors"])
     except re.error as exc:
         problems.append(f"config.capture.tensors: not a regular expression: {exc}")
-    labels = {f"{d}.{q}" for d in devices for q in dequant}
     for i, pair in enumerate(capture["pairs"]):
         for item in pair:
-            if item not in labels:
-                problems.append(
-                    f"config.capture.pairs[{i}]: {item!r} is not a configured combination "
-                    "(write device.dequant, e.g. cpu.none)"
-                )
+            _combination_label(item, f"config.capture.pairs[{i}]", devices, dequant, problems)
 
 
-def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Experiment:
-    """Validate ``config`` (a parsed config.yaml) and expand it, or raise ConfigError."""
+def validate(
+    config: dict[str, Any], base_dir: Path | str = "."
+) -> tuple[Experiment, dict[str, Any]]:
+    """Validate ``config`` (a parsed config.yaml); return the experiment and the config with
+    every default filled in. Raises ConfigError naming every problem."""
     data = copy.deepcopy(config)
     problems = _schema_problems(data)
     if problems:
@@ -375,7 +449,7 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
     _check_capture(data["capture"], devices, data["dequant"], prompts, problems)
     if problems:
         raise ConfigError(problems)
-    return Experiment(
+    experiment = Experiment(
         models=models,
         devices=devices,
         dequant=tuple(data["dequant"]),
@@ -387,7 +461,15 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
         reference=reference,
         teacher_forcing=data["teacher_forcing"],
         capture=data["capture"],
+        download=data["download"],
+        exact=data["exact"],
     )
+    return experiment, data
+
+
+def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Experiment:
+    """Validate ``config`` and expand it, or raise ConfigError."""
+    return validate(config, base_dir)[0]
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -408,16 +490,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def load_yaml_strict(path: Path | str) -> Any:
+    """Parse a YAML file, raising ConfigError if a mapping defines a key twice."""
+    with open(path) as f:
+        loader = _UniqueKeyLoader(f)
+        loader.name = str(path)
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
+
+
 def check_duplicate_keys(paths: list[Path | str]) -> None:
     """Raise ConfigError if a YAML file defines a key twice in one mapping."""
     for path in paths:
-        with open(path) as f:
-            loader = _UniqueKeyLoader(f)
-            loader.name = str(path)
-            try:
-                loader.get_single_data()
-            finally:
-                loader.dispose()
+        load_yaml_strict(path)
 
 
 def canonical_json(value: Any) -> str:

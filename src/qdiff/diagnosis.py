@@ -5,7 +5,7 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
 - ``activation-quantization``: for two devices that ran the file (``none``) and its ``f32``
   copy, the file's difference is at least ``AMPLIFICATION`` times the copies'. The weights are
   the same in both cases, so the excess comes from the quantized-weight kernels, which round
-  the activations (formats per backend from llama.cpp's source, BACKGROUND.md).
+  the activations (formats per backend from qdiff.backends).
 - ``float-precision``: two backends' ``f32`` copies differ by no more than one fp16 rounding of
   the weights on one device (its ``f32`` vs ``f16`` copy): summation order, TF32 and fp16
   arithmetic explain a gap of that size. A larger gap is reported as unexplained.
@@ -15,10 +15,10 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
   least ``COMPARABLE`` times as much as a change of backend does, so "the device" is not the
   only cause of forks.
 - ``unexplained``: a cross-backend difference that none of the rules above accounts for.
-- ``red-flag fork`` / ``near-tie forks``: along the teacher's text (qdiff.forcing), a fork
-  whose margin exceeds ``TIE_FACTOR`` times the pair's median max |Δ| at the positions where
-  it differs is a red flag, named with its prompt and position; when every fork is within that, the forks are
-  near ties that ordinary rounding differences flip.
+- ``red-flag fork`` / ``forks``: along the teacher's text (qdiff.forcing), each fork is a near
+  tie, a red flag or undetermined. Forks are counted per pair and, since many pairs fork at
+  the same place, by distinct site (prompt, position); a site counts as a near tie only when
+  every pair that forks there is one.
 """
 
 from __future__ import annotations
@@ -27,33 +27,14 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
-from qdiff.forcing import TIE_FACTOR
+from qdiff.backends import BACKENDS
+from qdiff.compare import headline
+from qdiff.forcing import MIN_SCALE_POSITIONS, TIE_FACTOR
+from qdiff.labels import Combination, Pair
 
 AMPLIFICATION = 10.0
 COMPARABLE = 0.5
-
-# which activation format a quantized matmul rounds to, per backend and weight type
-_CPU_Q8_0 = {"q4_0", "q5_0", "q8_0", "iq4_nl"}
-_CPU_Q8_1 = {"q4_1", "q5_1"}
-_FLOAT = {"f32", "f16", "bf16"}
-
-
-def activation_formats(backend: str, weight_types: list[str]) -> str:
-    quantized = sorted(t for t in weight_types if t.lower() not in _FLOAT)
-    if not quantized:
-        return f"{backend}: no quantized weights"
-    if backend == "cpu":
-        groups: dict[str, list[str]] = {}
-        for t in quantized:
-            low = t.lower()
-            fmt = "Q8_0" if low in _CPU_Q8_0 else "Q8_1" if low in _CPU_Q8_1 else "Q8_K"
-            groups.setdefault(fmt, []).append(t)
-        return "cpu: " + "; ".join(f"{','.join(ts)}→{fmt}" for fmt, ts in sorted(groups.items()))
-    if backend == "cuda":
-        return f"cuda: {','.join(quantized)}→q8_1 (MMVQ/MMQ)"
-    if backend == "vulkan":
-        return f"vulkan: {','.join(quantized)}→q8_1 with integer dot products, else f16/f32"
-    return f"{backend}: weights dequantized in the kernel, activations not quantized"
+Key = tuple[str, str]  # (device, dequant)
 
 
 @dataclass
@@ -67,28 +48,34 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 class Matrix:
-    """A model's runs and pair summaries, indexed for the rules."""
+    """A model's runs and pair summaries, keyed by (device, dequant)."""
 
     def __init__(self, records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> None:
         ok = [r for r in records if r["status"] == "ok"]
-        self.records = {f"{r['device']}.{r['dequant']}": r for r in ok}
+        self.records: dict[Key, dict[str, Any]] = {Combination.from_record(r).key: r for r in ok}
         self.devices = list(dict.fromkeys(r["device"] for r in ok))
         self.backend = {r["device"]: r["settings"]["backend"] for r in ok}
-        self.pairs = {
-            frozenset((p["a"], p["b"])): p for p in pairs if p["status"] == "ok"
-        }
+        self.pairs: dict[frozenset[Key], dict[str, Any]] = {}
+        for p in pairs:
+            if p["status"] == "ok":
+                pair = Pair.from_result(p)
+                self.pairs[frozenset((pair.a.key, pair.b.key))] = p
 
-    def pair(self, a: str, b: str) -> dict[str, Any] | None:
+    def pair(self, a: Key, b: Key) -> dict[str, Any] | None:
         return self.pairs.get(frozenset((a, b)))
 
-    def max_abs(self, a: str, b: str) -> float | None:
+    def max_abs(self, a: Key, b: Key) -> float | None:
         p = self.pair(a, b)
-        return None if p is None else p["summary"]["max_abs"]
+        return None if p is None else headline(p)
 
     def weight_types(self, dequant: str) -> list[str]:
-        for label, r in self.records.items():
-            if label.endswith(f".{dequant}"):
+        for (_, dq), r in self.records.items():
+            if dq == dequant:
                 return list(r["provenance"]["model_file"]["weight_types"])
         return []
 
@@ -96,19 +83,17 @@ class Matrix:
         """The settings that differ between two devices of one backend, else None."""
         if self.backend[d1] != self.backend[d2]:
             return None
-        for label, p in self.pairs.items():
-            if label == frozenset((f"{d1}.none", f"{d2}.none")):
-                return p["differs"]
-        return None
+        p = self.pair((d1, "none"), (d2, "none"))
+        return None if p is None else p["differs"]
 
 
 def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
-    q, f = m.max_abs(f"{d1}.none", f"{d2}.none"), m.max_abs(f"{d1}.f32", f"{d2}.f32")
+    q, f = m.max_abs((d1, "none"), (d2, "none")), m.max_abs((d1, "f32"), (d2, "f32"))
     if q is None or f is None or q == 0 or q < AMPLIFICATION * f:
         return None
     ratio = "∞" if f == 0 else f"{q / f:.0f}×"
     types = m.weight_types("none")
-    formats = sorted({activation_formats(m.backend[d], types) for d in (d1, d2)})
+    formats = sorted({BACKENDS[m.backend[d]].activation_formats(types) for d in (d1, d2)})
     same = m.backend[d1] == m.backend[d2]
     what = f"same backend, {'; '.join(m.settings_only(d1, d2) or [])}: " if same else ""
     return Finding(
@@ -124,10 +109,10 @@ def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
 def _float_precision(m: Matrix, d1: str, d2: str) -> Finding | None:
     if m.backend[d1] == m.backend[d2]:
         return None
-    f = m.max_abs(f"{d1}.f32", f"{d2}.f32")
+    f = m.max_abs((d1, "f32"), (d2, "f32"))
     if f is None:
         return None
-    roundings = [x for d in (d1, d2) if (x := m.max_abs(f"{d}.f32", f"{d}.f16")) is not None]
+    roundings = [x for d in (d1, d2) if (x := m.max_abs((d, "f32"), (d, "f16"))) is not None]
     if not roundings:
         return Finding(
             "unexplained",
@@ -158,23 +143,21 @@ def _settings(m: Matrix, d1: str, d2: str) -> Finding | None:
         return None
     parts = []
     numbers = {}
-    for label, r in m.records.items():
-        if not label.startswith(f"{d1}."):
-            continue
-        dq = r["dequant"]
-        p = m.pair(f"{d1}.{dq}", f"{d2}.{dq}")
-        if p is None:
+    for dev, dq in m.records:
+        if dev != d1 or (p := m.pair((d1, dq), (d2, dq))) is None:
             continue
         s = p["summary"]
-        numbers[dq] = s["max_abs"]
+        numbers[dq] = headline(p)
         parts.append(
-            f"{dq}: bit-identical" if s["bit_identical"] == s["n_prompts"]
-            else f"{dq}: max |Δ| {_fmt(s['max_abs'])}, forks {s['forked']}/{s['n_prompts']}"
+            f"{dq}: bit-identical on all {s['n_prompts']} prompts"
+            if s["bit_identical_count"] == s["n_prompts"]
+            else f"{dq}: max |Δ| {_fmt(headline(p))}, forks {s['forked']}/{s['n_prompts']}"
         )
     return Finding(
         "setting",
         f"`{d1}` vs `{d2}` (same backend) differ only in {'; '.join(change)}: "
-        + ", ".join(parts) + ".",
+        + ", ".join(parts)
+        + ".",
         numbers,
     )
 
@@ -182,14 +165,14 @@ def _settings(m: Matrix, d1: str, d2: str) -> Finding | None:
 def _device_blame(m: Matrix, d1: str, d2: str) -> Finding | None:
     if m.backend[d1] == m.backend[d2]:
         return None
-    cross = m.max_abs(f"{d1}.none", f"{d2}.none")
+    cross = m.max_abs((d1, "none"), (d2, "none"))
     if not cross:
         return None
     best: tuple[float, str, str] | None = None
     for a, b in combinations(m.devices, 2):
         single = len(m.settings_only(a, b) or []) == 1  # one named cause, not a mix
         if single and m.backend[a] in (m.backend[d1], m.backend[d2]):
-            x = m.max_abs(f"{a}.none", f"{b}.none")
+            x = m.max_abs((a, "none"), (b, "none"))
             if x is not None and (best is None or x > best[0]):
                 best = (x, a, b)
     if best is None or best[0] < COMPARABLE * cross:
@@ -204,37 +187,70 @@ def _device_blame(m: Matrix, d1: str, d2: str) -> Finding | None:
     )
 
 
+def fork_sites(pairs: list[dict[str, Any]]) -> dict[tuple[str, int], list[str]]:
+    """Distinct fork sites (prompt, position) along the teacher's text, with the kind of
+    the fork in every pair that forks there."""
+    sites: dict[tuple[str, int], list[str]] = {}
+    for p in pairs:
+        if p.get("forced", {}).get("status") == "ok":
+            for fork in p["forced"]["forks"]:
+                sites.setdefault((fork["prompt"], fork["position"]), []).append(fork["kind"])
+    return sites
+
+
 def _forks(pairs: list[dict[str, Any]]) -> list[Finding]:
     forced = [p for p in pairs if p.get("forced", {}).get("status") == "ok"]
-    flagged = [p for p in forced if p["forced"]["red_flags"]]
     findings = []
-    for p in flagged:
+    for p in (p for p in forced if p["forced"]["red_flags"]):
         f = p["forced"]
         worst = max((x for x in f["forks"] if x["kind"] == "red flag"), key=lambda x: x["margin"])
-        findings.append(Finding(
-            "red-flag fork",
-            f"`{p['a']}` vs `{p['b']}`: {f['red_flags']} of {len(f['forks'])} forks along the "
-            f"teacher's text had a margin above {_fmt(f['tie_threshold'])} ({TIE_FACTOR:g}× the "
-            f"pair's median max |Δ| at the positions where it differs, "
-            f"{_fmt(f['max_abs_median_differing'])}); the largest, "
-            f"{_fmt(worst['margin'])} at prompt `{worst['prompt']}` position {worst['position']}, "
-            "needed a difference far above this pair's typical one: look at that position.",
-            {"red_flags": f["red_flags"], "margin": worst["margin"]},
-        ))
+        findings.append(
+            Finding(
+                "red-flag fork",
+                f"`{p['a']}` vs `{p['b']}`: {f['red_flags']} of {len(f['forks'])} forks along the "
+                f"teacher's text had a margin above {_fmt(f['tie_threshold'])} ({TIE_FACTOR:g}× the "
+                f"pair's median max |Δ| over the {f['n_differing']} positions where it differs, "
+                f"{_fmt(f['max_abs_median_differing'])}); the largest, "
+                f"{'≥ ' if not worst['margin_exact'] else ''}{_fmt(worst['margin'])} at prompt "
+                f"`{worst['prompt']}` position {worst['position']}, needed a difference far above "
+                "this pair's typical one: look at that position.",
+                {"red_flags": f["red_flags"], "margin": worst["margin"]},
+            )
+        )
+    sites = fork_sites(forced)
+    if not sites:
+        return findings
+    n_forks = sum(len(kinds) for kinds in sites.values())
+    tie_sites = sum(all(k == "near tie" for k in kinds) for kinds in sites.values())
+    flagged = sum("red flag" in kinds for kinds in sites.values())
+    open_sites = len(sites) - tie_sites - flagged
     forked = [p for p in forced if p["forced"]["forks"]]
-    if forked and not flagged:
-        n = sum(len(p["forced"]["forks"]) for p in forked)
-        top = max(forked, key=lambda p: max(x["margin"] for x in p["forced"]["forks"]))
-        margin = max(x["margin"] for x in top["forced"]["forks"])
-        findings.append(Finding(
-            "near-tie forks",
-            f"along the teacher's text, all {n} forks of the {len(forked)} pairs that forked "
-            f"were near ties (margin at most {TIE_FACTOR:g}× the pair's median max |Δ| at the "
-            f"positions where it differs; largest margin {_fmt(margin)}, `{top['a']}` vs `{top['b']}`, threshold "
-            f"{_fmt(top['forced']['tie_threshold'])}): the texts part where the model was nearly "
-            "tied, as rounding differences of this size are expected to do.",
-            {"forks": n, "largest_margin": margin},
-        ))
+    top = max(forked, key=lambda p: max(x["margin"] for x in p["forced"]["forks"]))
+    margin = max(x["margin"] for x in top["forced"]["forks"])
+    text = (
+        f"along the teacher's text, {plural(len(forked), 'pair')} forked {plural(n_forks, 'time')} "
+        f"in all, at {plural(len(sites), 'distinct position')} (prompt, position). "
+        f"{tie_sites} of those positions are near ties in every pair that forks there "
+        f"(margin exact and at most {TIE_FACTOR:g}× the pair's median max |Δ| where it differs), "
+        f"{flagged} hold a red flag, {open_sites} are undetermined (a margin only bounded "
+        f"below, or fewer than {MIN_SCALE_POSITIONS} differing positions to judge the pair by)."
+        f" Largest margin {_fmt(margin)}, `{top['a']}` vs `{top['b']}`, threshold "
+        f"{_fmt(top['forced']['tie_threshold'])}."
+    )
+    if tie_sites == len(sites):
+        text += " The texts part where the model was nearly tied, as rounding differences of this size are expected to do."
+    findings.append(
+        Finding(
+            "forks",
+            text,
+            {
+                "forks": n_forks,
+                "sites": len(sites),
+                "tie_sites": tie_sites,
+                "largest_margin": margin,
+            },
+        )
+    )
     return findings
 
 
@@ -244,11 +260,12 @@ def diagnose(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> list
     findings = []
     for d1, d2 in combinations(m.devices, 2):
         found = [
-            f for rule in (_settings, _activation_quantization, _float_precision, _device_blame)
+            f
+            for rule in (_settings, _activation_quantization, _float_precision, _device_blame)
             if (f := rule(m, d1, d2)) is not None
         ]
         explained = {"activation-quantization", "float-precision", "setting"}
-        cross = m.max_abs(f"{d1}.none", f"{d2}.none")
+        cross = m.max_abs((d1, "none"), (d2, "none"))
         if cross and not explained & {f.rule for f in found}:
             found.append(
                 Finding(

@@ -21,11 +21,20 @@ bucket for the rest of the vocabulary (by the data-processing inequality a lower
 full KL, and equal to it when the tail carries no mass), top-1 agreement, and at each fork
 the margin between the two leading tokens.
 
-A fork is a **near tie** when its margin is at most ``TIE_FACTOR`` times the pair's median
-per-position max |Δ| over the positions where the two are not bit-identical: when a leads b by m on one side and b leads a on the other,
-m ≤ 2·max|Δ| at that position, so a difference the pair shows at a typical position can flip
-a tie that close. A larger margin needed an unusually large difference at that very
-position: a **red flag** worth a look (a kernel bug, a wrong op, a broken weight).
+Each fork is classified against the pair's *typical difference*, the median per-position
+max |Δ| over the positions where the two are not bit-identical. At a fork, a prefers its token
+by m_a and b prefers the other by m_b, and m_a + m_b ≤ 2·max|Δ| at that position; so a fork
+whose margin max(m_a, m_b) is at most ``TIE_FACTOR`` times the typical difference is one that
+an ordinary difference of this pair can flip:
+
+- **near tie**: the margin is exact (both tokens inside the kept slice), the typical
+  difference rests on at least ``MIN_SCALE_POSITIONS`` differing positions, and the margin
+  is at most ``TIE_FACTOR`` times it;
+- **red flag**: the margin (or its lower bound) exceeds that, on such a scale: the fork
+  needed an unusually large difference at that very position, worth a look (a kernel bug, a
+  wrong op, a broken weight);
+- **undetermined**: otherwise (a margin only bounded from below that stays under the
+  threshold, or too few differing positions to know what is typical). Never counted as a tie.
 """
 
 from __future__ import annotations
@@ -37,10 +46,19 @@ from typing import Any
 import numpy as np
 
 TIE_FACTOR = 2.0
+MIN_SCALE_POSITIONS = 10
 DEFAULT_TOP_K = 1024
 ARRAY_NAMES = (
-    "n_prompt_tokens", "lengths", "tokens", "slice_ids", "slice_logits",
-    "lse", "top_ids", "top_logits", "digest", "forced_logprob",
+    "n_prompt_tokens",
+    "lengths",
+    "tokens",
+    "slice_ids",
+    "slice_logits",
+    "lse",
+    "top_ids",
+    "top_logits",
+    "digest",
+    "forced_logprob",
 )
 
 
@@ -66,7 +84,9 @@ def log_sum_exp(logits: np.ndarray) -> float:
 class ForcedRecorder:
     """Collects the compact per-position summaries of one combination's forced pass."""
 
-    def __init__(self, n_prompts: int, max_len: int, top_k: int) -> None:
+    def __init__(self, n_prompts: int, max_len: int, top_k: int, dtype: type = np.float32) -> None:
+        """``dtype`` of the kept logits: float32 as llama.cpp computes them, float64 for the
+        exact reference (qdiff.exact)."""
         self.top_k = top_k
         shape = (n_prompts, max_len)
         self.arrays: dict[str, np.ndarray] = {
@@ -74,10 +94,10 @@ class ForcedRecorder:
             "lengths": np.zeros(n_prompts, np.int32),
             "tokens": np.full(shape, -1, np.int32),
             "slice_ids": np.full((*shape, top_k), -1, np.int32),
-            "slice_logits": np.full((*shape, top_k), np.nan, np.float32),
+            "slice_logits": np.full((*shape, top_k), np.nan, dtype),
             "lse": np.full(shape, np.nan),
             "top_ids": np.full((*shape, 2), -1, np.int32),
-            "top_logits": np.full((*shape, 2), np.nan, np.float32),
+            "top_logits": np.full((*shape, 2), np.nan, dtype),
             "digest": np.zeros(shape, np.uint64),
             "forced_logprob": np.full(shape, np.nan),
         }
@@ -113,7 +133,7 @@ class Fork:
     token_b: int
     margin: float  # the larger of the two sides' preference for their own token
     margin_exact: bool  # False: a token fell outside the slice; the margin is a lower bound
-    kind: str  # "near tie" | "red flag"
+    kind: str  # "near tie" | "red flag" | "undetermined"
 
 
 def _slice_probs(logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -166,18 +186,30 @@ def compare_forced(
     # meaningful scale for its forks
     differing = valid & ~identical
     typical = float(np.median(max_abs[differing])) if differing.any() else 0.0
+    scale_known = int(differing.sum()) >= MIN_SCALE_POSITIONS
+    threshold = TIE_FACTOR * typical
 
     forks = []
-    for p, t in zip(*np.nonzero(valid & ~agree)):
+    for p, t in zip(*np.nonzero(valid & ~agree), strict=True):
         ta_id, tb_id = int(a["top_ids"][p, t, 0]), int(b["top_ids"][p, t, 0])
         ma, exact_a = _preference(a, p, t, tb_id)
         mb, exact_b = _preference(b, p, t, ta_id)
-        margin = max(ma, mb)
+        margin, exact = max(ma, mb), exact_a and exact_b
+        if scale_known and margin > threshold:
+            kind = "red flag"
+        elif scale_known and exact:
+            kind = "near tie"
+        else:
+            kind = "undetermined"
         forks.append(
             Fork(
-                prompt=prompt_ids[p], position=int(t), token_a=ta_id, token_b=tb_id,
-                margin=margin, margin_exact=exact_a and exact_b,
-                kind="near tie" if margin <= TIE_FACTOR * typical else "red flag",
+                prompt=prompt_ids[p],
+                position=int(t),
+                token_a=ta_id,
+                token_b=tb_id,
+                margin=margin,
+                margin_exact=exact,
+                kind=kind,
             )
         )
     n_positions = int(valid.sum())
@@ -185,14 +217,16 @@ def compare_forced(
     for t in range(a["tokens"].shape[1]):
         rows = valid[:, t]
         if rows.any():
-            per_position.append({
-                "position": t,
-                "prompts": int(rows.sum()),
-                "max_abs_median": float(np.median(max_abs[rows, t])),
-                "max_abs_max": float(max_abs[rows, t].max()),
-                "kl_mean": float(kl[rows, t].mean()),
-                "top1_agree": int(agree[rows, t].sum()),
-            })
+            per_position.append(
+                {
+                    "position": t,
+                    "prompts": int(rows.sum()),
+                    "max_abs_median": float(np.median(max_abs[rows, t])),
+                    "max_abs_max": float(max_abs[rows, t].max()),
+                    "kl_mean": float(kl[rows, t].mean()),
+                    "top1_agree": int(agree[rows, t].sum()),
+                }
+            )
     kl_valid = kl[valid]
     return {
         "status": "ok",
@@ -208,9 +242,11 @@ def compare_forced(
         "kl_median": float(np.median(kl_valid)) if n_positions else 0.0,
         "kl_p99": float(np.percentile(kl_valid, 99)) if n_positions else 0.0,
         "kl_max": float(kl_valid.max(initial=0.0)),
-        "tie_threshold": TIE_FACTOR * typical,
+        "n_differing": int(differing.sum()),
+        "tie_threshold": threshold,
         "near_ties": sum(f.kind == "near tie" for f in forks),
         "red_flags": sum(f.kind == "red flag" for f in forks),
+        "undetermined": sum(f.kind == "undetermined" for f in forks),
         "forks": [f.__dict__ for f in forks],
         "per_position": per_position,
         "per_prompt_max_abs": {

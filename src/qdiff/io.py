@@ -18,7 +18,7 @@ def _umask() -> int:
     return mask
 
 
-def _atomic(path: Path, mode: str, write: Callable[[IO[Any]], None]) -> None:
+def _atomic(path: Path, mode: str, write: Callable[[IO[Any]], object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -58,7 +58,7 @@ def load_array(path: Path) -> np.ndarray:
 
 def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Several named arrays in one uncompressed .npz file."""
-    _atomic(path, "wb", lambda f: np.savez(f, **arrays))
+    _atomic(path, "wb", lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:

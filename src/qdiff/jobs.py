@@ -1,29 +1,315 @@
-"""Helpers shared by the thin workflow scripts."""
+"""The harness every workflow script runs in (``qdiff.jobs.run``).
+
+It gives each job the same guarantees, whatever the stage:
+
+- **its own log**: stderr, native code's included, goes to the rule's log file;
+- **one failure path**: an exception in the job's body is logged with its traceback and
+  turned into the stage's failure outputs (a record that says what failed and what to do),
+  so the job succeeds and everything downstream, the report included, still runs and names
+  the failure;
+- **no stray writers**: the job dies with the Snakemake process that started it (Linux's
+  parent-death signal, or a watchdog where a shell stands in between), and so do the
+  processes it starts (``child_preexec``), so a killed workflow leaves nothing running;
+- **no half results, no late overwrites**: outputs are written under staging names and
+  renamed into place together at the end, under a claim that the newest job of an output
+  holds; a job that has been superseded (a rerun started after it) discards its outputs.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import hashlib
 import os
+import signal
 import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+CLAIMS_DIR = Path(".snakemake/qdiff/claims")
+_STAGING = ".staging"
+_PR_SET_PDEATHSIG = 1
+_console_fd: int | None = None  # the terminal's stderr, before log_to redirected it
 
 
 def log_to(path: str | Path) -> TextIO:
     """Send this job's stderr to its Snakemake log, in append mode so that a child
     process writing to the same file is never overwritten."""
+    global _console_fd  # noqa: PLW0603 - one terminal per process
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text("")
     stream = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the job
+    if _console_fd is None:
+        _console_fd = os.dup(2)
     os.dup2(stream.fileno(), 2)  # native code (llama.cpp) writes to fd 2 directly
     sys.stderr = stream
     return stream
 
 
-def model_info(path: Path, sha256: str, origin: str) -> dict[str, object]:
-    """The sidecar written next to every model file: what a run needs for provenance."""
-    return {
-        "file": path.name,
-        "sha256": sha256,
-        "bytes": path.stat().st_size,
-        "origin": origin,
-    }
+def console(message: str) -> None:
+    """A progress line for the job's log and the terminal Snakemake runs in."""
+    print(message, file=sys.stderr, flush=True)
+    if _console_fd is not None:
+        os.write(_console_fd, (message + "\n").encode())
+
+
+# ---- dying with the workflow ----
+
+
+def _parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent dies."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
+def child_preexec() -> None:
+    """``preexec_fn`` of every process a job starts: killed when the job dies."""
+    _parent_death_signal(signal.SIGKILL)
+
+
+def _proc_parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])
+
+
+def _proc_is_snakemake(pid: int) -> bool:
+    try:
+        return b"snakemake" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _snakemake_ancestor() -> int | None:
+    """The nearest ancestor process that is Snakemake (Linux), or None."""
+    pid: int | None = os.getppid()
+    for _ in range(8):
+        if pid is None or pid <= 1:
+            return None
+        if _proc_is_snakemake(pid):
+            return pid
+        pid = _proc_parent(pid)
+    return None
+
+
+def _watch(ancestor: int, interval: float = 0.5) -> None:
+    """End this process (and, through their parent-death signal, its children) as soon as
+    ``ancestor`` is gone."""
+
+    def loop() -> None:
+        while _proc_is_snakemake(ancestor):
+            time.sleep(interval)
+        print("[qdiff] the workflow that started this job is gone: stopping", file=sys.stderr)
+        os._exit(3)
+
+    threading.Thread(target=loop, name="qdiff-watchdog", daemon=True).start()
+
+
+def die_with_workflow() -> None:
+    """Make this job end when the Snakemake process that started it ends."""
+    ancestor = _snakemake_ancestor()
+    if ancestor is None:
+        return  # not started by Snakemake here (a test, or a cluster's job step)
+    if ancestor == os.getppid() and _parent_death_signal(signal.SIGKILL):
+        if os.getppid() != ancestor:  # it died before the signal was armed
+            os._exit(3)
+        return
+    _watch(ancestor)
+
+
+# ---- staged outputs under a claim ----
+
+
+class Claim:
+    """Who may write an output: the newest job that started for it.
+
+    A job takes the claim when it starts and renames its staged files into place only while
+    it still holds it, under a lock, so a job that outlived its workflow can never overwrite
+    what a later run wrote."""
+
+    def __init__(self, output: Path, token: str) -> None:
+        name = hashlib.sha1(str(output).encode()).hexdigest()
+        self.path = CLAIMS_DIR / f"{name}.claim"
+        self.token = token
+
+    @contextmanager
+    def _locked(self) -> Iterator[Any]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+") as f:
+            fcntl.lockf(f, fcntl.LOCK_EX)
+            try:
+                yield f
+            finally:
+                fcntl.lockf(f, fcntl.LOCK_UN)
+
+    def take(self) -> None:
+        with self._locked() as f:
+            f.seek(0)
+            f.truncate()
+            f.write(self.token)
+            f.flush()
+
+    @contextmanager
+    def held(self) -> Iterator[bool]:
+        """While the lock is held: whether this job still holds the claim."""
+        with self._locked() as f:
+            f.seek(0)
+            yield f.read() == self.token
+
+
+def staging_path(output: Path, token: str) -> Path:
+    return output.with_name(f".{output.name}.{token[:12]}{_STAGING}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        for child in path.iterdir():
+            _remove(child)
+        path.rmdir()
+    else:
+        path.unlink(missing_ok=True)
+
+
+class Job:
+    """One running job: its outputs, staged until ``commit``."""
+
+    def __init__(self, outputs: list[str], log: str | None, token: str | None = None) -> None:
+        self.token = token or uuid.uuid4().hex
+        self.outputs = [Path(p) for p in outputs]
+        self.log_path = Path(log) if log else None
+        self.claim = Claim(self.outputs[0], self.token)
+        self.claim.take()
+        for output in self.outputs:  # staging left behind by killed jobs of this output
+            for stale in output.parent.glob(f".{output.name}.*{_STAGING}"):
+                _remove(stale)
+            output.parent.mkdir(parents=True, exist_ok=True)
+
+    def out(self, output: str | Path) -> Path:
+        """Where to write ``output`` (one of the job's outputs) until the job commits."""
+        return staging_path(Path(output), self.token)
+
+    def discard(self) -> None:
+        for output in self.outputs:
+            _remove(self.out(output))
+
+    def commit(self, placeholder: Callable[[Path, Path], None]) -> bool:
+        """Rename every staged output into place if this job still holds the claim (an
+        output the job did not write gets ``placeholder(output, staged)``); otherwise
+        discard them."""
+        for output in self.outputs:
+            staged = self.out(output)
+            if not staged.exists() and not staged.is_symlink():
+                placeholder(output, staged)
+        with self.claim.held() as mine:
+            if not mine:
+                self.discard()
+                print(
+                    "[qdiff] a newer job for these outputs started after this one: "
+                    "its outputs are kept and this job's are discarded",
+                    file=sys.stderr,
+                )
+                return False
+            for output in self.outputs:
+                if output.is_dir() and not output.is_symlink():
+                    _remove(output)  # os.replace cannot replace a non-empty directory
+                os.replace(self.out(output), output)
+        return True
+
+
+class StageError(RuntimeError):
+    """A failure whose message already says what went wrong and what to do: shown as is."""
+
+
+class StopWorkflow(Exception):
+    """A failure that must stop the workflow (e.g. strict_devices): the job fails."""
+
+
+def spawn(
+    argv: list[str], log_path: Path, timeout: float, env: dict[str, str] | None = None
+) -> int | None:
+    """Run a child process whose output is appended to ``log_path``; it dies with this job.
+    Its exit code (negative: killed by that signal), or None when it ran past ``timeout``."""
+    import subprocess
+
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=child_preexec,  # noqa: PLW1509 - only prctl, no locks
+        )
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
+
+
+def empty_placeholder(output: Path, staged: Path) -> None:
+    """An empty ``output`` (written at ``staged``) for a job that failed before writing it:
+    its record (or sidecar) says why. Arrays are empty arrays, anything else an empty file."""
+    if output.suffix in (".npy", ".npz"):
+        import numpy as np  # only here: most jobs never need it
+
+        with open(staged, "wb") as f:
+            if output.suffix == ".npy":
+                np.save(f, np.zeros((0, 0), dtype=np.float32), allow_pickle=False)
+            else:
+                np.savez(f)
+    else:
+        staged.write_bytes(b"")
+
+
+def error_info(exc: BaseException, stage: str) -> dict[str, Any]:
+    """What a failure record says about an exception: what failed and where."""
+    message = str(exc) if isinstance(exc, StageError) else f"{type(exc).__name__}: {exc}"
+    return {"kind": "error", "stage": stage, "message": message}
+
+
+def run(
+    smk: Any,
+    body: Callable[[Job], None],
+    on_failure: Callable[[Job, dict[str, Any]], None],
+    directories: tuple[str, ...] = (),
+) -> None:
+    """Run a workflow script's ``body`` in the harness (see the module's docstring).
+
+    ``smk`` is the script's ``snakemake`` object; ``on_failure(job, error)`` writes the
+    stage's failure outputs with ``job.out``; outputs it leaves unwritten get empty
+    placeholders (``directories`` names the outputs that are directories)."""
+    log_to(smk.log[0])
+    die_with_workflow()
+    job = Job(list(smk.output), smk.log[0] if smk.log else None)
+    try:
+        body(job)
+    except StopWorkflow:
+        job.discard()
+        raise
+    except Exception as exc:  # the one failure path: record it, never lose the report
+        traceback.print_exc(file=sys.stderr)
+        job.discard()
+        error = error_info(exc, smk.rule)
+        if job.log_path:
+            error["log"] = str(job.log_path)
+        on_failure(job, error)
+
+    def placeholder(output: Path, staged: Path) -> None:
+        if str(output) in directories:
+            staged.mkdir()
+        else:
+            empty_placeholder(output, staged)
+
+    job.commit(placeholder)

@@ -10,6 +10,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from qdiff.backends import BACKENDS
+
 _BUFFER = re.compile(
     r"^(?P<stage>load_tensors|llama_kv_cache|llama_context|sched_reserve):\s+(?P<buf>\S+)\s+"
     r"(?P<what>model|KV|output|compute) buffer size =\s+(?P<mib>[\d.]+) MiB",
@@ -19,9 +21,9 @@ _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _WEIGHT_TYPE = re.compile(r"^llama_model_loader: - type\s+(\S+):\s+(\d+) tensors", re.M)
 _FILE_TYPE = re.compile(r"^print_info: file type\s+= (.+)$", re.M)
 _CONTEXT = re.compile(r"^llama_context: (\w+)\s+= (\S.*)$", re.M)
-_ERROR_HINT = re.compile(r"(error|failed|unknown|invalid|not supported|abort|assert)", re.I)
-
-_STACK_FRAME = re.compile(r"^#\d+\s")  # gdb backtrace lines that ggml prints on abort
+# What ggml and the C++ runtime print when they abort (to stderr, not through the log
+# callback): GGML_ASSERT / GGML_ABORT, and an uncaught C++ exception.
+_ABORT = re.compile(r"GGML_ASSERT\(|GGML_ABORT|terminate called|what\(\):")
 
 # buffers in host memory: the CPU's own, weight repacking, AMX, pinned host memory of a GPU
 HOST_BUFFER = re.compile(r"^(CPU.*|AMX|.*_Host)$")
@@ -55,8 +57,8 @@ def parse_placement(log: str) -> Placement:
     if found := _OFFLOADED.findall(log):
         placement.offloaded_layers = (int(found[-1][0]), int(found[-1][1]))
     placement.weight_types = {t: int(n) for t, n in _WEIGHT_TYPE.findall(log)}
-    if m := _FILE_TYPE.search(log):
-        placement.file_type = m[1].strip()
+    if file_type := _FILE_TYPE.search(log):
+        placement.file_type = file_type[1].strip()
     placement.context = {k: v.strip() for k, v in _CONTEXT.findall(log)}
     return placement
 
@@ -73,10 +75,10 @@ def placement_problem(
     buffers = placement.model_buffers
     if not buffers:
         return "llama.cpp reported no model buffers; cannot tell where the weights are"
-    if backend == "cpu":
+    if not BACKENDS[backend].on_gpu:
         off_host = sorted(b for b in buffers if not HOST_BUFFER.match(b))
         if off_host:
-            return f"a cpu device placed weights in {', '.join(off_host)}"
+            return f"a {backend} device placed weights in {', '.join(off_host)}"
         return None
     if placement.offloaded_layers is None:
         return "this llama.cpp build reports no GPU offload support"
@@ -92,14 +94,15 @@ def placement_problem(
     return None
 
 
-def error_lines(log: str, limit: int = 5) -> list[str]:
-    """The last lines of a llama.cpp log that look like the reason for a failure."""
-    hits = [
-        line.strip()
-        for line in log.splitlines()
-        if _ERROR_HINT.search(line) and not _STACK_FRAME.match(line)
-    ]
-    return hits[-limit:]
+def abort_lines(log: str, limit: int = 3) -> list[str]:
+    """The lines in which ggml or the C++ runtime said why they aborted, last ``limit``."""
+    return [line.strip() for line in log.splitlines() if _ABORT.search(line)][-limit:]
+
+
+def failure_reason(error_messages: list[str], log: str) -> list[str]:
+    """Why llama.cpp failed, in its own words: the messages it logged at ERROR level, then
+    any abort line. Never an ordinary log line that merely contains a word like "failed"."""
+    return [*error_messages[-3:], *abort_lines(log)]
 
 
 def tail(text: str, lines: int = 30) -> list[str]:

@@ -12,7 +12,11 @@ Per tensor: **max |Δ|**, **NMSE** = Σ(b−a)²/Σa² (as llama.cpp's test-back
 - the **first divergence**: the first tensor whose NMSE exceeds ``FLOOR_FACTOR`` times the
   NMSE of a *floor pair* at the same tensor. The floor pair differs from the pair only in
   float rounding: the same two devices on the model's ``f32`` copy. Without a floor pair
-  (or when the pair is itself the floor), the first difference is the answer.
+  (or when the pair is itself the floor) no divergence is named, only the first difference;
+  with one, how firm the choice is (``robustness``) is reported beside it.
+
+Nothing compared is never "identical": a pair whose captures share no tensor (e.g. a
+``capture.tensors`` pattern that matches nothing) reports that it compared nothing.
 
 The op at that tensor is named with its family (matmul with which weight type, attention,
 norm, ...), so a user knows which kernel to look at.
@@ -26,12 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.compare import label
+from qdiff.compare import headline
 from qdiff.io import load_arrays
+from qdiff.labels import Combination, Pair
+from qdiff.records import failure_text
 
 FLOOR_FACTOR = 10.0
 # Bump when the localisation's fields change (a param of the localise rule).
-LOCALISE_FORMAT = 1
+LOCALISE_FORMAT = 2
 _LAYER = re.compile(r"-(\d+)$")
 _WEIGHT_LAYER = re.compile(r"^blk\.(\d+)\.")
 _ATTENTION_NAMES = re.compile(r"^(kq|kqv|__fattn__|fattn)")
@@ -48,7 +54,9 @@ def op_family(name: str, op: str, weight: str | None) -> str:
         if not weight:
             return "matmul"
         tensor, _, wtype = weight.rpartition(" ")
-        return f"matmul with {wtype} weights" + (f" ({tensor})" if name.endswith("(unnamed)") else "")
+        return f"matmul with {wtype} weights" + (
+            f" ({tensor})" if name.endswith("(unnamed)") else ""
+        )
     if op in ("RMS_NORM", "NORM", "L2_NORM"):
         return "normalisation"
     if op == "MUL" and "norm" in name:
@@ -83,7 +91,8 @@ def _keyed(tensors: list[dict[str, Any]]) -> list[tuple[tuple[str, int], dict[st
 def _unmatched_before(keyed: list, matched: set) -> dict[tuple[str, int], list[str]]:
     """For each matched tensor, the tensors of the same graph between it and the previous
     matched one that the other graph lacks (e.g. soft_max vs a flash-attention kernel)."""
-    before, pending = {}, []
+    before: dict[tuple[str, int], list[str]] = {}
+    pending: list[str] = []
     for key, t in keyed:
         if key in matched:
             before[key], pending = pending, []
@@ -93,8 +102,10 @@ def _unmatched_before(keyed: list, matched: set) -> dict[tuple[str, int], list[s
 
 
 def tensor_rows(
-    meta_a: list[dict[str, Any]], data_a: dict[str, np.ndarray],
-    meta_b: list[dict[str, Any]], data_b: dict[str, np.ndarray],
+    meta_a: list[dict[str, Any]],
+    data_a: dict[str, np.ndarray],
+    meta_b: list[dict[str, Any]],
+    data_b: dict[str, np.ndarray],
 ) -> list[dict[str, Any]]:
     """Per matched tensor, in a's graph order: the differences between a and b, and the
     tensors only one graph computes just before it (a changed kernel or graph)."""
@@ -102,7 +113,7 @@ def tensor_rows(
     b_by_key = dict(keyed_b)
     matched = {k for k, t in keyed_a if k in b_by_key and b_by_key[k]["kept"] == t["kept"]}
     only_a, only_b = _unmatched_before(keyed_a, matched), _unmatched_before(keyed_b, matched)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for key, ta in keyed_a:
         if key not in matched:
             continue
@@ -113,116 +124,200 @@ def tensor_rows(
             continue
         delta = np.abs(b - a)
         scale = float(np.abs(a).max())
-        rows.append({
-            "index": len(rows),
-            "name": ta["name"],
-            "occurrence": key[1],
-            "layer": layer_of(ta["name"], ta.get("weight")),
-            "op": ta["op"],
-            "op_b": tb["op"],
-            "weight": ta.get("weight"),
-            "family": op_family(ta["name"], ta["op"], ta.get("weight")),
-            "only_a_before": only_a.get(key, []),
-            "only_b_before": only_b.get(key, []),
-            "identical": bool(np.array_equal(a, b)),
-            "max_abs": float(delta.max()),
-            "nmse": float((delta**2).sum() / max(float((a**2).sum()), np.finfo(float).tiny)),
-            "rel_err": float(delta.max() / scale) if scale > 0 else float(delta.max()),
-        })
+        rows.append(
+            {
+                "index": len(rows),
+                "name": ta["name"],
+                "occurrence": key[1],
+                "layer": layer_of(ta["name"], ta.get("weight")),
+                "op": ta["op"],
+                "op_b": tb["op"],
+                "weight": ta.get("weight"),
+                "family": op_family(ta["name"], ta["op"], ta.get("weight")),
+                "only_a_before": only_a.get(key, []),
+                "only_b_before": only_b.get(key, []),
+                "identical": bool(np.array_equal(a, b)),
+                "max_abs": float(delta.max()),
+                "nmse": float((delta**2).sum() / max(float((a**2).sum()), np.finfo(float).tiny)),
+                "rel_err": float(delta.max() / scale) if scale > 0 else float(delta.max()),
+            }
+        )
     return rows
 
 
-def localise(
-    rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]] | None
-) -> dict[str, Any]:
-    """The first differing tensor and the first one above the float-rounding floor."""
+def _ratio(row: dict[str, Any]) -> float | None:
+    """NMSE over the floor's NMSE at one tensor (inf where the floor is bit-identical)."""
+    floor = row.get("floor_nmse")
+    if floor is None or row["nmse"] == 0:
+        return None
+    return float("inf") if floor == 0 else row["nmse"] / floor
+
+
+def _json_ratio(ratio: float | None) -> dict[str, Any]:
+    """A ratio as JSON: infinite (the floor is bit-identical there) is said, not written."""
+    infinite = ratio is not None and ratio == float("inf")
+    return {"ratio": None if infinite else ratio, "floor_identical": infinite}
+
+
+def _brief(row: dict[str, Any] | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {
+        "index": row["index"],
+        "name": row["name"],
+        "family": row["family"],
+        **_json_ratio(_ratio(row)),
+    }
+
+
+def robustness(rows: list[dict[str, Any]], divergence: dict[str, Any]) -> dict[str, Any]:
+    """How firm the first divergence is: its ratio to the floor against the threshold, the
+    next tensor above the threshold, the tensor with the largest ratio, and the share of
+    later tensors that stay above the threshold."""
+    after = [r for r in rows if r["index"] > divergence["index"] and _ratio(r) is not None]
+    above = [r for r in after if _ratio(r) > FLOOR_FACTOR]  # type: ignore[operator]
+    ratio = _ratio(divergence)
+    rated = [(x, r) for r in rows if (x := _ratio(r)) is not None]
+    largest = max(rated, key=lambda x: x[0])[1] if rated else None
+    return {
+        **_json_ratio(ratio),
+        # below 3x the threshold a choice of threshold could move the answer
+        "marginal": ratio is not None and ratio < 3 * FLOOR_FACTOR,
+        "next_above": _brief(above[0]) if above else None,
+        "largest": _brief(largest),
+        "later_above": len(above),
+        "later_compared": len(after),
+    }
+
+
+def localise(rows: list[dict[str, Any]], floor_rows: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The first differing tensor and, against a floor pair, the first one above the
+    float-rounding floor. Without a floor no divergence is named; with nothing compared
+    nothing is claimed (``compared`` is 0)."""
     floor = {(r["name"], r["occurrence"]): r["nmse"] for r in floor_rows or []}
     for r in rows:
         r["floor_nmse"] = floor.get((r["name"], r["occurrence"]))
     first_difference = next((r for r in rows if not r["identical"]), None)
-    if floor_rows is None:
-        first_divergence = first_difference
-    else:
+    first_divergence = None
+    if floor_rows is not None:
         first_divergence = next(
-            (r for r in rows if r["floor_nmse"] is not None and r["nmse"] > 0
-             and r["nmse"] > FLOOR_FACTOR * r["floor_nmse"]),
+            (
+                r
+                for r in rows
+                if r["floor_nmse"] is not None
+                and r["nmse"] > 0
+                and r["nmse"] > FLOOR_FACTOR * r["floor_nmse"]
+            ),
             None,
         )
     return {
         "n_tensors": len(rows),
+        "n_with_floor": sum(r["floor_nmse"] is not None for r in rows),
         "first_difference": first_difference,
         "first_divergence": first_divergence,
+        "robustness": robustness(rows, first_divergence) if first_divergence else None,
         "rows": rows,
     }
 
 
-def around(rows: list[dict[str, Any]], index: int, before: int = 4, after: int = 4) -> list[dict[str, Any]]:
+def around(
+    rows: list[dict[str, Any]], index: int, before: int = 4, after: int = 4
+) -> list[dict[str, Any]]:
     """The tensors just before and after ``index`` in graph order."""
-    return rows[max(0, index - before): index + after + 1]
+    return rows[max(0, index - before) : index + after + 1]
 
 
-def floor_pair(a: str, b: str) -> tuple[str, str] | None:
-    """The pair that differs from (a, b) only in float rounding: the same two devices on
-    the f32 copy. None when the devices are the same or (a, b) is that pair already."""
-    dev_a, dev_b = a.rpartition(".")[0], b.rpartition(".")[0]
-    floor = (f"{dev_a}.f32", f"{dev_b}.f32")
-    if dev_a == dev_b or floor == (a, b):
+def floor_pair(pair: Pair) -> Pair | None:
+    """The pair that differs from ``pair`` only in float rounding: the same two devices on
+    the f32 copy. None when the devices are the same or ``pair`` is that pair already."""
+    if pair.same_device:
         return None
-    return floor
+    floor = Pair(pair.a.with_dequant("f32"), pair.b.with_dequant("f32"))
+    return None if floor == pair else floor
+
+
+def choose_pairs(results: list[dict[str, Any]], configured: list[Pair]) -> list[tuple[Pair, str]]:
+    """The model's largest pair that asks the device-and-settings question (the same weights
+    file on two devices; a pair whose weights differ parts at the embedding table and says
+    nothing) and the configured pairs."""
+    same_file = [r for r in results if (p := Pair.from_result(r)).same_file and not p.same_device]
+    measured = [r for r in same_file if r["status"] == "ok"]
+    chosen: list[tuple[Pair, str]] = []
+    if measured:
+        top = max(measured, key=headline)
+        chosen.append(
+            (Pair.from_result(top), "largest first-step max |Δ| between two devices on one file")
+        )
+    elif same_file:  # none was compared: still say what the captures show, or why not
+        chosen.append(
+            (Pair.from_result(same_file[0]), "two devices on one file; no comparison of them ran")
+        )
+    for pair in configured:
+        if {pair.a, pair.b} not in [{p.a, p.b} for p, _ in chosen]:
+            chosen.append((pair, "named in config.capture.pairs"))
+    return chosen
 
 
 def localise_model(
+    model: str,
     captures: list[tuple[dict[str, Any], Path]],
     pairs: list[dict[str, Any]],
     configured: list[tuple[str, str]],
 ) -> dict[str, Any]:
-    """Localise the model's largest pair and the configured pairs, on every captured prompt."""
-    ok = {label(r): (r, path) for r, path in captures if r["status"] == "ok"}
-    model = captures[0][0]["model"] if captures else None
-    failed = {label(r): r.get("error", {}).get("message", r["status"])
-              for r, _ in captures if r["status"] != "ok"}
-    measured = [p for p in pairs if p["status"] == "ok" and p["a"] in ok and p["b"] in ok]
-    chosen: list[tuple[str, str, str]] = []
-    if measured:
-        top = max(measured, key=lambda p: p["summary"]["max_abs"])
-        chosen.append((top["a"], top["b"], "largest first-step max |Δ|"))
-    for a, b in configured:
-        if {a, b} not in [{x, y} for x, y, _ in chosen]:
-            chosen.append((a, b, "named in config.capture.pairs"))
-    data: dict[str, dict[str, np.ndarray]] = {}
+    """Localise the model's chosen pairs (``choose_pairs``) on every captured prompt."""
+    ok = {Combination.from_record(r): (r, path) for r, path in captures if r["status"] == "ok"}
+    failed = {
+        Combination.from_record(r).label: {
+            "status": r["status"],
+            "kind": r.get("error", {}).get("kind"),
+            "reason": failure_text(r),
+        }
+        for r, _ in captures
+        if r["status"] != "ok"
+    }
+    chosen = choose_pairs(pairs, [Pair.parse(model, a, b) for a, b in configured])
+    data: dict[Combination, dict[str, np.ndarray]] = {}
 
-    def arrays(combo: str) -> dict[str, np.ndarray]:
+    def arrays(combo: Combination) -> dict[str, np.ndarray]:
         if combo not in data:  # each capture file is read once
             data[combo] = load_arrays(ok[combo][1])
         return data[combo]
 
     results = []
-    for a, b, why in chosen:
-        entry: dict[str, Any] = {"a": a, "b": b, "why": why}
-        missing = [x for x in (a, b) if x not in ok]
+    for pair, why in chosen:
+        entry: dict[str, Any] = {"a": pair.a.label, "b": pair.b.label, "why": why}
+        missing = [c for c in (pair.a, pair.b) if c not in ok]
         if missing:
             entry["status"] = "n/a"
-            entry["reason"] = "; ".join(f"{x}: {failed.get(x, 'not captured')}" for x in missing)
+            entry["reason"] = "; ".join(
+                f"{c.label}: {failed[c.label]['reason'] if c.label in failed else 'not captured'}"
+                for c in missing
+            )
             results.append(entry)
             continue
-        floor = floor_pair(a, b)
-        if floor and not all(x in ok for x in floor):
+        floor = floor_pair(pair)
+        if floor and not (floor.a in ok and floor.b in ok):
             floor = None
-        entry.update(status="ok", floor=list(floor) if floor else None, prompts=[])
-        rec_a, rec_b = ok[a][0], ok[b][0]
-        for i, (pa, pb) in enumerate(zip(rec_a["prompts"], rec_b["prompts"])):
-            rows = tensor_rows(pa["tensors"], arrays(a), pb["tensors"], arrays(b))
+        entry.update(status="ok", floor=list(floor.labels) if floor else None, prompts=[])
+        rec_a, rec_b = ok[pair.a][0], ok[pair.b][0]
+        for i, (pa, pb) in enumerate(zip(rec_a["prompts"], rec_b["prompts"], strict=False)):
+            rows = tensor_rows(pa["tensors"], arrays(pair.a), pb["tensors"], arrays(pair.b))
             floor_rows = None
             if floor:
-                fa, fb = ok[floor[0]][0]["prompts"][i], ok[floor[1]][0]["prompts"][i]
-                floor_rows = tensor_rows(fa["tensors"], arrays(floor[0]), fb["tensors"], arrays(floor[1]))
-            entry["prompts"].append({
-                "prompt": pa["id"],
-                "capture_changed_logits": [
-                    x for x, p in ((a, pa), (b, pb)) if not p["logits_identical_with_capture"]
-                ],
-                **localise(rows, floor_rows),
-            })
+                fa, fb = ok[floor.a][0]["prompts"][i], ok[floor.b][0]["prompts"][i]
+                floor_rows = tensor_rows(
+                    fa["tensors"], arrays(floor.a), fb["tensors"], arrays(floor.b)
+                )
+            entry["prompts"].append(
+                {
+                    "prompt": pa["id"],
+                    "capture_changed_logits": [
+                        c.label
+                        for c, p in ((pair.a, pa), (pair.b, pb))
+                        if not p["logits_identical_with_capture"]
+                    ],
+                    **localise(rows, floor_rows),
+                }
+            )
         results.append(entry)
-    return {"model": model, "floor_factor": FLOOR_FACTOR, "pairs": results,
-            "not_captured": failed}
+    return {"model": model, "floor_factor": FLOOR_FACTOR, "pairs": results, "not_captured": failed}

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display: render to files only
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 
 def _log_scale_if_positive(ax: plt.Axes) -> None:
@@ -44,8 +44,15 @@ def heatmap(labels: list[str], values: np.ndarray, path: Path, title: str) -> No
             if i != j:
                 text = "0" if values[i, j] == 0 else f"{values[i, j]:.2g}"
                 bright = values[i, j] > 0 and shown[i, j] > (low + high) / 2
-                ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                        color="black" if bright else "white")
+                ax.text(
+                    j,
+                    i,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if bright else "white",
+                )
     fig.colorbar(image, ax=ax, label="log10 max |Δ| of first-step logits")
     ax.set_title(title)
     fig.tight_layout()
@@ -90,13 +97,24 @@ def depth_profile(
     x = [r["index"] for r in rows]
     ax.plot(x, [r["nmse"] or np.nan for r in rows], lw=1, label="pair")
     if floor_label:
-        ax.plot(x, [r.get("floor_nmse") or np.nan for r in rows], lw=1, color="grey",
-                label=f"floor: {floor_label}")
+        ax.plot(
+            x,
+            [r.get("floor_nmse") or np.nan for r in rows],
+            lw=1,
+            color="grey",
+            label=f"floor: {floor_label}",
+        )
     if marked is not None:
         ax.axvline(marked, color="red", ls="--", lw=1, label="first divergence")
     ticks = [(r["index"], r["name"]) for r in rows if r["name"].startswith("l_out-")]
     step = max(1, len(ticks) // 12)
-    ax.set_xticks([t[0] for t in ticks[::step]], [t[1] for t in ticks[::step]], rotation=45, ha="right", fontsize=7)
+    ax.set_xticks(
+        [t[0] for t in ticks[::step]],
+        [t[1] for t in ticks[::step]],
+        rotation=45,
+        ha="right",
+        fontsize=7,
+    )
     ax.set_ylabel("NMSE vs a (last position)")
     ax.set_xlabel("captured tensor, graph order")
     _finish_lines(fig, ax, title, path)

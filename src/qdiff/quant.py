@@ -1,9 +1,20 @@
-"""Requantize and dequantize GGUF files with llama.cpp's own llama_model_quantize."""
+"""Requantize and dequantize GGUF files with llama.cpp's own llama_model_quantize.
+
+The conversion runs in a child process (``python -m qdiff.quant SRC DST TYPE THREADS``), as
+inference does, so a corrupt file that crashes llama.cpp fails only its own job, with
+llama.cpp's reason.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import signal
+import sys
 from pathlib import Path
+from typing import Any
+
+from qdiff.labels import DEQUANT_COPIES
+from qdiff.records import failure_text
 
 # llama.cpp's llama_ftype values (include/llama.h), by the names `llama-quantize` uses
 QUANT_TYPES = {
@@ -25,31 +36,86 @@ QUANT_TYPES = {
     "iq4_xs": 30,
 }
 # dequantized copies: every quantized weight converted; f32 reproduces the weights exactly
-FLOAT_TYPES = {"f32": 0, "f16": 1, "bf16": 32}
+FLOAT_TYPES = dict(zip(DEQUANT_COPIES, (0, 1, 32), strict=True))
 
 
-def quantize(src: Path, dst: Path, target: str, threads: int) -> None:
-    """Write ``src`` converted to ``target`` (a QUANT_TYPES or FLOAT_TYPES name) at ``dst``.
+def quantize(src: Path, dst: Path, target: str, threads: int) -> int:
+    """Write ``src`` converted to ``target`` (a QUANT_TYPES or FLOAT_TYPES name) at
+    ``dst``; llama_model_quantize's return code (0: done)."""
+    import llama_cpp  # native code: imported only by the child
 
-    Writes to a temporary name first, so an interrupted job never leaves a file that
-    looks complete.
-    """
-    import llama_cpp  # native code: imported only by the job that needs it
-
-    ftype = {**QUANT_TYPES, **FLOAT_TYPES}[target]
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
-    params.ftype = ftype
+    params.ftype = {**QUANT_TYPES, **FLOAT_TYPES}[target]
     params.allow_requantize = True  # the source is usually quantized already
-    partial = dst.with_name(dst.name + ".partial")
-    partial.unlink(missing_ok=True)
-    rc = llama_cpp.llama_model_quantize(
-        str(src).encode(), str(partial).encode(), ctypes.byref(params)
+    return int(
+        llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     )
-    if rc != 0 or not partial.exists():
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(
-            f"llama_model_quantize({src.name} -> {target}) failed with code {rc}; "
-            "the log above says why (is the source a valid GGUF?)"
+
+
+def derive(
+    source: Path,
+    source_info: dict[str, Any],
+    dest: Path,
+    target: str,
+    threads: int,
+    log_path: Path,
+    timeout_s: float = 3600.0,
+) -> str:
+    """Convert ``source`` to ``target`` at ``dest`` in a child process; raise StageError
+    naming the reason (a missing source, llama.cpp's message, a crash's signal)."""
+    from qdiff.jobs import StageError, spawn
+    from qdiff.llamalog import abort_lines
+
+    if source_info.get("status", "ok") != "ok":
+        raise StageError(
+            f"its source {source_info['file']} is missing: {failure_text(source_info)}"
         )
-    partial.replace(dst)
+    partial = dest.with_name(dest.name + ".partial")
+    partial.unlink(missing_ok=True)
+    code = spawn(
+        [sys.executable, "-m", "qdiff.quant", str(source), str(partial), target, str(threads)],
+        log_path,
+        timeout_s,
+    )
+    if code != 0 or not partial.exists():
+        partial.unlink(missing_ok=True)
+        log = log_path.read_text(errors="replace")
+        said = [
+            line for line in log.splitlines() if line.startswith("[qdiff] llama_model_quantize")
+        ]
+        why = (
+            said[-1].removeprefix("[qdiff] ")
+            if said
+            else "; ".join(abort_lines(log)) or "no reason in the log"
+        )
+        if code is None:
+            why = f"stopped after {timeout_s:g} s"
+        elif code < 0:
+            why = f"llama.cpp was killed by {signal.Signals(-code).name} ({why})"
+        raise StageError(
+            f"making the {target} copy of {source_info['file']} failed: {why}. Is the source "
+            "a complete GGUF file?"
+        )
+    partial.replace(dest)
+    return target
+
+
+def main(argv: list[str]) -> int:
+    from qdiff import engine
+
+    src, dst, target, threads = Path(argv[0]), Path(argv[1]), argv[2], int(argv[3])
+    log = engine.init_backend()
+    rc = quantize(src, dst, target, threads)
+    if rc != 0 or not dst.exists():
+        print(
+            f"[qdiff] llama_model_quantize failed (code {rc}): "
+            + ("; ".join(log.errors) or "llama.cpp logged no error"),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

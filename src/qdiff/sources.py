@@ -1,42 +1,56 @@
 """Fetch a GGUF model from its configured source into resources/, atomically and verified.
 
-Every fetch writes to ``<dest>.part`` and renames only after the checksum (when given)
-and the GGUF magic bytes check out, so an interrupted or bad download never leaves a file
-that looks complete. Tokens are read from the environment and never logged.
+Every fetch writes to ``<dest>.part`` and renames only after the checksum (when given) and
+the GGUF magic bytes check out, so an interrupted or bad download never leaves a file that
+looks complete. Hidden parts of a URL (qdiff.secrets) are revealed only to open the
+connection; logs show the URL without them.
+
+Which failures are worth another attempt: a dropped connection, a timeout, a stall (less
+than ``stall_min_bytes`` in ``stall_window_s``) and HTTP 5xx/429 are retried and resumed; a
+404, a refused URL, a checksum mismatch or a file that is not GGUF are not.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 import shutil
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse, urlunparse
 
-from qdiff.config import url_problem
+from qdiff import secrets
+from qdiff.config import ModelSpec, url_problem
+from qdiff.hashcache import HashCache, sha256_of
+from qdiff.jobs import StageError, console
 
 GGUF_MAGIC = b"GGUF"
 CHUNK = 1 << 20
+PROGRESS_EVERY_S = 5.0
 
 
-class FetchError(RuntimeError):
+class FetchError(StageError):
     """A model could not be fetched; the message says what to do."""
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
+class StallError(ConnectionError):
+    """The server kept the connection open but sent (almost) nothing."""
+
+
+@dataclass(frozen=True)
+class StallLimit:
+    window_s: float = 60.0
+    min_bytes: int = 65536
+
+    def describe(self) -> str:
+        return f"fewer than {self.min_bytes} bytes in {self.window_s:g} s"
 
 
 def redact_url(url: str) -> str:
@@ -61,15 +75,49 @@ def describe_source(source: dict[str, Any]) -> str:
     return f"path {value}"
 
 
-def _log(message: str) -> None:
-    print(f"[qdiff fetch] {message}", file=sys.stderr, flush=True)
+def fingerprint(
+    spec: ModelSpec, existing: dict[str, Any] | None, hashes: HashCache
+) -> dict[str, Any]:
+    """What a fetched file's content depends on: the fetch rule's params. Reruns follow
+    content: a `path` source counts by its bytes (so touching it reruns nothing and
+    replacing it reruns everything downstream), a package by its installed version; a
+    sha256 pin that the fetched file already satisfies changes nothing, one it does not
+    satisfy refetches (and then fails, saying so)."""
+    assert spec.source is not None
+    source = spec.source
+    kind = source["kind"]
+    # a local file counts by its bytes only: moving or renaming it reruns nothing
+    content = {"kind": kind} if kind == "path" else {"kind": kind, kind: source[kind]}
+    if kind == "url" and "token_env" in source:
+        content["token_env"] = source["token_env"]
+    if kind == "package":
+        try:
+            content["version"] = version(source["package"]["name"])
+        except PackageNotFoundError:
+            content["version"] = "not installed"
+    if kind == "path":
+        path = Path(source["path"]).expanduser()
+        content["content_sha256"] = hashes.sha256(path) if path.is_file() else "missing"
+    if (
+        spec.sha256
+        and existing
+        and existing.get("status", "ok") == "ok"
+        and existing.get("sha256") != spec.sha256
+    ):
+        content["fetched_copy"] = "differs from models.<name>.sha256"
+    return content
+
+
+def _console(message: str) -> None:
+    """A line for the job's log and, so that long work shows progress, the terminal."""
+    console(f"[qdiff fetch] {message}")
 
 
 class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
     """Follow redirects, but never to plain http off loopback, and drop credentials
     when the redirect leaves the original host."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
         if problem := url_problem(newurl):
             raise FetchError(f"refusing redirect from {redact_url(req.full_url)}: {problem}")
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
@@ -78,7 +126,7 @@ class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
         return new
 
 
-def _open(url: str, offset: int, token: str | None, timeout: float):  # type: ignore[no-untyped-def]
+def _open(url: str, offset: int, token: str | None, timeout: float) -> Any:
     request = urllib.request.Request(url, headers={"User-Agent": "qdiff"})
     if offset:
         request.add_header("Range", f"bytes={offset}-")
@@ -88,18 +136,34 @@ def _open(url: str, offset: int, token: str | None, timeout: float):  # type: ig
     return opener.open(request, timeout=timeout)
 
 
-def _copy_with_progress(
-    response: BinaryIO, out: BinaryIO, done: int, total: int | None, label: str
+def _copy(
+    response: Any, out: BinaryIO, done: int, total: int | None, label: str, stall: StallLimit
 ) -> int:
-    last = time.monotonic()
-    while block := response.read(CHUNK):
-        out.write(block)
-        done += len(block)
-        if time.monotonic() - last > 5:
-            share = f" ({100 * done / total:.0f}%)" if total else ""
-            _log(f"{label}: {done / 2**20:.1f} MiB{share}")
-            last = time.monotonic()
-    return done
+    """Copy the body, reading whatever has arrived (``read1``), so that a trickle is
+    measured: fewer than ``stall.min_bytes`` in any ``stall.window_s`` is a stall."""
+    start = last_report = window_start = time.monotonic()
+    window_bytes, started_at = 0, done
+    while True:
+        block = response.read1(CHUNK)
+        now = time.monotonic()
+        if block:
+            out.write(block)
+            done += len(block)
+            window_bytes += len(block)
+        elif block == b"":
+            return done
+        if now - window_start >= stall.window_s:
+            if window_bytes < stall.min_bytes:
+                raise StallError(
+                    f"stalled: {window_bytes} bytes in the last "
+                    f"{now - window_start:.0f} s ({stall.describe()})"
+                )
+            window_start, window_bytes = now, 0
+        if now - last_report >= PROGRESS_EVERY_S:
+            rate = (done - started_at) / max(now - start, 1e-9) / 2**20
+            share = f" of {total / 2**20:.1f} MiB ({100 * done / total:.0f}%)" if total else ""
+            _console(f"{label}: {done / 2**20:.1f} MiB{share}, {rate:.2f} MiB/s")
+            last_report = now
 
 
 def download_url(
@@ -109,27 +173,29 @@ def download_url(
     retries: int = 4,
     timeout: float = 60.0,
     backoff: float = 1.0,
+    stall: StallLimit | None = None,
 ) -> None:
-    """Download ``url`` into ``partial``, resuming it after a dropped connection."""
+    """Download ``url`` into ``partial``, resuming it after a dropped connection or a stall."""
+    label = redact_url(url)
     if problem := url_problem(url):
-        raise FetchError(problem)
+        raise FetchError(f"{label}: {problem}")
+    url = secrets.reveal(url)
+    stall = stall or StallLimit()
     token = os.environ.get(token_env) if token_env else None
     if token_env and not token:
         raise FetchError(f"environment variable {token_env} (token_env) is not set")
-    label = redact_url(url)
     for attempt in range(1, retries + 2):
         offset = partial.stat().st_size if partial.exists() else 0
         try:
-            with _open(url, offset, token, timeout) as response:
+            # the socket timeout bounds each read, so a stall is noticed within a window
+            with _open(url, offset, token, min(timeout, stall.window_s)) as response:
                 resumed = response.status == 206
                 if offset and not resumed:
-                    _log(f"{label}: server ignored the resume request; starting over")
+                    _console(f"{label}: server ignored the resume request; starting over")
                 length = response.headers.get("Content-Length")
                 total = (int(length) + (offset if resumed else 0)) if length else None
                 with partial.open("ab" if resumed else "wb") as out:
-                    done = _copy_with_progress(
-                        response, out, offset if resumed else 0, total, label
-                    )
+                    done = _copy(response, out, offset if resumed else 0, total, label, stall)
                 if total is not None and done < total:
                     raise ConnectionError(f"connection closed at {done} of {total} bytes")
                 return
@@ -153,7 +219,7 @@ def download_url(
                 "rerun the workflow to resume it"
             )
         wait = backoff * 2 ** (attempt - 1)
-        _log(f"{label}: attempt {attempt} failed ({error}); retrying in {wait:.0f} s")
+        _console(f"{label}: attempt {attempt} failed ({error}); retrying in {wait:.0f} s")
         time.sleep(wait)
 
 
@@ -204,16 +270,23 @@ def _fetch_path(value: str, partial: Path) -> None:
     shutil.copyfile(path, partial)
 
 
-def fetch(source: dict[str, Any], dest: Path, sha256: str | None) -> str:
-    """Materialise ``source`` at ``dest``; return the file's SHA-256."""
+def fetch(
+    source: dict[str, Any],
+    dest: Path,
+    sha256: str | None,
+    stall: StallLimit | None = None,
+    partial: Path | None = None,
+) -> str:
+    """Materialise ``source`` at ``dest``; return the file's SHA-256. ``partial`` is where
+    the bytes gather (default ``<dest>.part``; a URL download resumes from it)."""
     kind = source["kind"]
-    partial = dest.with_name(dest.name + ".part")
+    partial = partial or dest.with_name(dest.name + ".part")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _log(f"fetching {describe_source(source)} -> {dest}")
+    _console(f"fetching {describe_source(source)}")
     if kind != "url":
         partial.unlink(missing_ok=True)  # only URL downloads resume
     if kind == "url":
-        download_url(source["url"], partial, source.get("token_env"))
+        download_url(source["url"], partial, source.get("token_env"), stall=stall)
     elif kind == "hf":
         _fetch_hf(source["hf"], partial)
     elif kind == "package":
@@ -225,6 +298,10 @@ def fetch(source: dict[str, Any], dest: Path, sha256: str | None) -> str:
 
 def finish(partial: Path, dest: Path, sha256: str | None, origin: str) -> str:
     """Verify the finished ``partial`` file and rename it to ``dest``."""
+    size = partial.stat().st_size
+    if size == 0:
+        partial.unlink()
+        raise FetchError(f"{origin} is an empty file: check the source")
     actual = sha256_of(partial)
     if sha256 and actual != sha256.lower():
         partial.unlink()
@@ -238,5 +315,5 @@ def finish(partial: Path, dest: Path, sha256: str | None, origin: str) -> str:
         partial.unlink()
         raise FetchError(f"{origin} is not a GGUF file (it starts with {magic!r})")
     partial.replace(dest)
-    _log(f"{dest.name}: sha256 {actual}" + (" (verified)" if sha256 else ""))
+    _console(f"{origin}: sha256 {actual}" + (" (verified)" if sha256 else ""))
     return actual

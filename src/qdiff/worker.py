@@ -1,26 +1,31 @@
-"""The isolated child process that runs one combination: ``python -m qdiff.worker SPEC OUT``.
+"""The isolated child process that runs one stage of one combination:
+``python -m qdiff.worker SPEC OUT``.
 
-It is the only process that runs inference, so a segfault or abort inside llama.cpp
-kills this process alone; the parent (qdiff.run) records it. On success it writes
-``OUT/record.json`` and the mode's data file (``qdiff.run.DATA_FILES``: first-step
-``logits.npy`` of a generation, ``forced.npz`` of a teacher-forced pass); on a handled
-failure ``OUT/error.json``.
+It is the only process that runs inference, so a segfault or abort inside llama.cpp kills
+this process alone; the parent (qdiff.run) records it. On success it writes
+``OUT/record.json`` and its stage's data file (qdiff.stages); on a handled failure
+``OUT/error.json``. llama.cpp's ERROR-level messages go to ``OUT/errors.txt`` as they come.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qdiff import engine, provenance
-from qdiff import forcing as forcing_lib
+from qdiff import engine, forcing, provenance, records
+from qdiff.engine.capture import TensorCapture
+from qdiff.engine.devices import backend_devices, devices_for_backend, system_info
+from qdiff.engine.log import LlamaLog
+from qdiff.engine.model import ContextError, Generation, LoadedModel, ModelLoadError
 from qdiff.io import load_array, load_arrays, read_json, save_array, save_arrays, write_json
-from qdiff.llamalog import error_lines, parse_placement, placement_problem
-from qdiff.run import EXIT_ERROR, EXIT_MISPLACED, EXIT_OK, EXIT_UNAVAILABLE
+from qdiff.llamalog import parse_placement, placement_problem
+from qdiff.run import ERROR_FILE, ERRORS_FILE, EXIT_ERROR, EXIT_MISPLACED, EXIT_OK, EXIT_UNAVAILABLE
 from qdiff.settings import DeviceSettings
+from qdiff.stages import CAPTURE, FORCED, RUN, stage_of_mode
 
 
 class WorkerFailure(Exception):
@@ -30,20 +35,22 @@ class WorkerFailure(Exception):
         self.exit_code = exit_code
 
 
-def _prompt_tokens(model: engine.LoadedModel, text: str, chat: bool | str) -> list[int]:
+def _prompt_tokens(model: LoadedModel, text: str, chat: bool | str) -> list[int]:
     if chat is False:
         return model.tokenize(text, parse_special=False)
     wrapped = model.apply_chat_template(text, chat if isinstance(chat, str) else None)
     return model.tokenize(wrapped, parse_special=True)
 
 
-def _load(
-    spec: dict[str, Any], log: engine.LlamaLog
-) -> tuple[engine.LoadedModel, dict[str, Any]]:
+def _reasons(log: LlamaLog) -> str:
+    return "; ".join(log.errors) or "llama.cpp logged no error"
+
+
+def _load(spec: dict[str, Any], log: LlamaLog) -> tuple[LoadedModel, dict[str, Any]]:
     """Load the combination's model on its device, or raise WorkerFailure saying why not."""
     settings = DeviceSettings.from_config(spec["settings"])
-    devices = engine.backend_devices()
-    usable = engine.devices_for_backend(settings.backend, devices)
+    devices = backend_devices()
+    usable = devices_for_backend(settings.backend, devices)
     if not usable:
         found = ", ".join(f"{d.name} ({d.registry})" for d in devices) or "none"
         raise WorkerFailure(
@@ -54,52 +61,112 @@ def _load(
         )
     model_path = Path(spec["model_path"])
     try:
-        loaded = engine.LoadedModel(model_path, settings, spec["generation"]["n_ctx"])
-    except engine.ModelLoadError as exc:
-        reasons = "; ".join(error_lines(log.text)) or "no reason in the llama.cpp log"
+        loaded = LoadedModel(model_path, settings, spec["generation"]["n_ctx"])
+    except ModelLoadError:
         raise WorkerFailure(
-            "model", f"{exc.args[0].split(':')[0]}: {reasons}. Is {model_path.name} a "
-            "complete GGUF file of an architecture this llama.cpp supports?"
+            "model",
+            f"llama.cpp could not load {model_path.name}: {_reasons(log)}. Is it a "
+            "complete GGUF file of an architecture this llama.cpp supports?",
+        ) from None
+    except ContextError:
+        raise WorkerFailure(
+            "context",
+            f"llama.cpp refused a context for device {spec['device']!r} "
+            f"(kv_cache_type {settings.kv_cache_type}, flash_attn {settings.flash_attn}, "
+            f"n_ctx {spec['generation']['n_ctx']}): {_reasons(log)}. Change the device's "
+            "settings in the config.",
         ) from None
     placement = parse_placement(log.text)
     if problem := placement_problem(settings.backend, placement, [d.name for d in usable]):
         loaded.close()
         raise WorkerFailure("misplaced", problem, EXIT_MISPLACED)
-    return loaded, provenance.run_provenance(spec, loaded, placement, usable, devices)
+    prov = provenance.run_provenance(
+        spec, loaded.describe(), system_info(), placement, usable, devices
+    )
+    return loaded, prov
 
 
-def generate(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
-    """Greedy generation from every prompt: record.json and first-step logits.npy."""
+def _prompt_record(prompt: dict[str, Any], gen: Generation) -> dict[str, Any]:
+    return {
+        "id": prompt["id"],
+        "prompt_text": prompt["text"],
+        "n_prompt_tokens": len(gen.prompt_tokens),
+        "prompt_tokens": gen.prompt_tokens,
+        "tokens": gen.tokens,
+        "text": gen.text,
+        "stopped_at_eog": gen.stopped_at_eog,
+        "prompt_ms": round(1000 * gen.prompt_seconds, 3),
+        "decode_ms_per_token": (
+            round(1000 * float(np.mean(gen.decode_seconds)), 3) if gen.decode_seconds else None
+        ),
+    }
+
+
+def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
+    """Greedy generation from every prompt: the record and the first-step logits."""
     generation = spec["generation"]
     loaded, prov = _load(spec, log)
+    results: list[tuple[dict[str, Any], Generation]] = []
     with loaded:
-        results = []
-        for prompt in spec["prompts"]:
+        for i, prompt in enumerate(spec["prompts"]):
             tokens = _prompt_tokens(loaded, prompt["text"], generation["chat_template"])
             gen = loaded.generate(tokens, generation["n_tokens"])
             results.append((prompt, gen))
             print(
-                f"[qdiff] prompt {prompt['id']}: {len(gen.tokens)} tokens, "
-                f"{1000 * np.mean(gen.decode_seconds or [0]):.1f} ms/token",
+                f"[qdiff] prompt {prompt['id']} ({i + 1}/{len(spec['prompts'])}): "
+                f"{len(gen.tokens)} tokens, {1000 * np.mean(gen.decode_seconds or [0]):.1f} ms/token",
                 file=sys.stderr,
                 flush=True,
             )
-        record = provenance.success_record(spec, results, loaded, prov)
-    save_array(out / "logits.npy", np.stack([g.first_logits for _, g in results]))
+        load_s = loaded.load_seconds
+    decode = [s for _, g in results for s in g.decode_seconds]
+    record = {
+        **records.record_head(spec, "ok", RUN.name),
+        "prompts": [_prompt_record(p, g) for p, g in results],
+        "timings": {
+            "load_s": round(load_s, 4),
+            "prompt_ms_mean": round(
+                1000 * float(np.mean([g.prompt_seconds for _, g in results])), 3
+            )
+            if results
+            else None,
+            "decode_ms_per_token": round(1000 * float(np.mean(decode)), 3) if decode else None,
+        },
+        "provenance": prov,
+    }
+    save_array(out / RUN.data_file, np.stack([g.first_logits for _, g in results]))
     write_json(out / "record.json", record)
 
 
-def force(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
+def _teacher(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
+    """The teacher's run record and, on every other combination, the teacher's own forced
+    arrays (whose slice ids everyone uses); WorkerFailure when the teacher did not run."""
+    inputs, teacher = spec["inputs"], spec["forcing"]["teacher"]
+    run = read_json(Path(inputs["teacher_run"]))
+    forced = read_json(Path(inputs["teacher_record"])) if "teacher_record" in inputs else None
+    for what, rec in (("run", run), ("teacher-forced pass", forced)):
+        if rec is not None and rec["status"] != "ok":
+            raise WorkerFailure(
+                "teacher",
+                f"the teacher {teacher}'s {what} is {rec['status']} "
+                f"({records.failure_text(rec)}), so there is no sequence to force",
+                EXIT_UNAVAILABLE,
+            )
+    return run, load_arrays(Path(inputs["teacher_data"])) if forced is not None else None
+
+
+def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     """Teacher forcing (qdiff.forcing): every prompt fed the teacher's greedy output."""
-    forcing = spec["forcing"]
-    sequences = forcing["sequences"]  # prompt id -> the teacher's generated tokens
-    teacher = load_arrays(Path(forcing["teacher_data"])) if forcing["teacher_data"] else None
-    own_first = load_array(Path(forcing["own_logits"]))  # this combination's free run
+    run, teacher = _teacher(spec)
+    sequences = {p["id"]: p["tokens"] for p in run["prompts"]}
+    own_first = load_array(Path(spec["inputs"]["own_logits"]))  # this combination's free run
     prompts = spec["prompts"]
     max_len = max((len(sequences[p["id"]]) for p in prompts), default=0)
     loaded, prov = _load(spec, log)
-    top_k = teacher["slice_ids"].shape[-1] if teacher else min(forcing["top_k"], loaded.n_vocab)
-    recorder = forcing_lib.ForcedRecorder(len(prompts), max_len, top_k)
+    top_k = (
+        teacher["slice_ids"].shape[-1] if teacher else min(spec["forcing"]["top_k"], loaded.n_vocab)
+    )
+    recorder = forcing.ForcedRecorder(len(prompts), max_len, top_k)
     seconds, positions, first_step_same = 0.0, 0, 0
     with loaded:
         for p, prompt in enumerate(prompts):
@@ -107,22 +174,23 @@ def force(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
             forced = sequences[prompt["id"]]
             recorder.begin_prompt(p, len(tokens), forced)
 
-            def record(t: int, logits: np.ndarray, p: int = p) -> None:
+            def keep(t: int, logits: np.ndarray, p: int = p) -> None:
                 recorder.add(p, t, logits, teacher["slice_ids"][p, t] if teacher else None)
 
-            seconds += loaded.force(tokens, forced, record)
+            seconds += loaded.force(tokens, forced, keep)
             positions += len(forced)
             if own_first.shape[0] == len(prompts) and forced:
                 first_step_same += int(
-                    recorder.arrays["digest"][p, 0] == forcing_lib.digest(own_first[p])
+                    recorder.arrays["digest"][p, 0] == forcing.digest(own_first[p])
                 )
         arrays = recorder.arrays
         leading = np.unique(arrays["top_ids"][arrays["top_ids"] >= 0])
         pieces = {int(t): loaded.detokenize([int(t)]) for t in leading}  # for the report
+        load_s = loaded.load_seconds
     own_choice = arrays["top_ids"][..., 0] == arrays["tokens"]
     record = {
-        **provenance.record_head(spec, "ok"),
-        "teacher": forcing["teacher"],
+        **records.record_head(spec, "ok", FORCED.name),
+        "teacher": spec["forcing"]["teacher"],
         "top_k": int(top_k),
         "prompt_ids": [p["id"] for p in prompts],
         "n_positions": positions,
@@ -132,22 +200,25 @@ def force(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
         "first_step_identical_to_free_run": first_step_same,
         "pieces": pieces,
         "timings": {
-            "load_s": round(loaded.load_seconds, 4),
+            "load_s": round(load_s, 4),
             "forced_ms_per_token": round(1000 * seconds / max(positions, 1), 3),
         },
         "provenance": prov,
     }
-    save_arrays(out / "forced.npz", arrays)
+    save_arrays(out / FORCED.data_file, arrays)
     write_json(out / "record.json", record)
 
 
-def capture(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
+def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     """Tensor capture (qdiff.localise): the named intermediate tensors of each capture
-    prompt's forward pass, read through llama.cpp's eval callback. The pass runs once
-    without and once with the callback; a difference in the logits is recorded."""
+    prompt's forward pass, read through llama.cpp's eval callback.
+
+    Per prompt: a plain pass (the logits to check against), a shapes-only pass over one more
+    token (so each tensor's token axis comes from the graph, qdiff.engine.capture), and the
+    captured pass. A difference between the plain and captured logits is recorded."""
     settings = spec["capture"]
     texts = {p["id"]: p["text"] for p in spec["prompts"]}
-    capturer = engine.TensorCapture(settings["tensors"])
+    capturer = TensorCapture(settings["tensors"])
     arrays: dict[str, np.ndarray] = {}
     prompts = []
     loaded, prov = _load(spec, log)
@@ -156,6 +227,8 @@ def capture(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
             tokens = _prompt_tokens(loaded, texts[prompt_id], spec["generation"]["chat_template"])
             plain, plain_s = loaded.prefill(tokens)
             loaded.set_eval_callback(capturer.callback)
+            capturer.probe()
+            loaded.prefill([*tokens, tokens[-1]])
             capturer.start(len(tokens))
             observed, captured_s = loaded.prefill(tokens)
             loaded.set_eval_callback(None)
@@ -164,50 +237,66 @@ def capture(spec: dict[str, Any], out: Path, log: engine.LlamaLog) -> None:
             tensors = []
             for k, t in enumerate(capturer.tensors):
                 arrays[f"p{i}.t{k}"] = t.values
-                tensors.append({
-                    "key": f"p{i}.t{k}", "name": t.name, "op": t.op, "type": t.type,
-                    "ne": t.ne, "weight": t.weight, "kept": t.kept,
-                })
-            prompts.append({
-                "id": prompt_id,
-                "n_prompt_tokens": len(tokens),
-                "tensors": tensors,
-                # capturing must not change what it observes
-                "logits_identical_with_capture": bool(np.array_equal(plain, observed)),
-                "logits_max_abs_with_capture": float(np.abs(plain - observed).max()),
-                "prefill_ms": round(1000 * plain_s, 3),
-                "prefill_ms_captured": round(1000 * captured_s, 3),
-            })
-            print(f"[qdiff] captured {len(tensors)} tensors of prompt {prompt_id}",
-                  file=sys.stderr, flush=True)
+                tensors.append(
+                    {
+                        "key": f"p{i}.t{k}",
+                        "name": t.name,
+                        "op": t.op,
+                        "type": t.type,
+                        "ne": t.ne,
+                        "weight": t.weight,
+                        "kept": t.kept,
+                    }
+                )
+            prompts.append(
+                {
+                    "id": prompt_id,
+                    "n_prompt_tokens": len(tokens),
+                    "tensors": tensors,
+                    # capturing must not change what it observes
+                    "logits_identical_with_capture": bool(np.array_equal(plain, observed)),
+                    "logits_max_abs_with_capture": float(np.abs(plain - observed).max()),
+                    "prefill_ms": round(1000 * plain_s, 3),
+                    "prefill_ms_captured": round(1000 * captured_s, 3),
+                }
+            )
+            print(
+                f"[qdiff] captured {len(tensors)} tensors of prompt {prompt_id}",
+                file=sys.stderr,
+                flush=True,
+            )
+        load_s = loaded.load_seconds
     record = {
-        **provenance.record_head(spec, "ok"),
+        **records.record_head(spec, "ok", CAPTURE.name),
         "capture": settings,
         "prompts": prompts,
-        "timings": {"load_s": round(loaded.load_seconds, 4)},
+        "timings": {"load_s": round(load_s, 4)},
         "provenance": prov,
     }
-    save_arrays(out / "capture.npz", arrays)
+    save_arrays(out / CAPTURE.data_file, arrays)
     write_json(out / "record.json", record)
 
 
-MODES = {"generate": generate, "force": force, "capture": capture}
+MODES: dict[str, Callable[[dict[str, Any], Path, LlamaLog], None]] = {
+    RUN.mode: generate,
+    FORCED.mode: force,
+    CAPTURE.mode: capture,
+}
 
 
 def main(argv: list[str]) -> int:
     spec_path, out = Path(argv[0]), Path(argv[1])
     spec = read_json(spec_path)
-    log = engine.init_backend()
+    stage_of_mode(spec["mode"])  # an unknown mode fails here, loudly
+    log = engine.init_backend(out / ERRORS_FILE)
     try:
-        MODES[spec.get("mode", "generate")](spec, out, log)
+        MODES[spec["mode"]](spec, out, log)
         return EXIT_OK
     except WorkerFailure as exc:
-        write_json(out / "error.json", {"kind": exc.kind, "message": str(exc)})
+        write_json(out / ERROR_FILE, {"kind": exc.kind, "message": str(exc)})
         return exc.exit_code
     except Exception as exc:  # any other error in this run: report it, do not hide it
-        write_json(
-            out / "error.json", {"kind": "error", "message": f"{type(exc).__name__}: {exc}"}
-        )
+        write_json(out / ERROR_FILE, {"kind": "error", "message": f"{type(exc).__name__}: {exc}"})
         raise
 
 

@@ -1,23 +1,49 @@
-# Validation, the run matrix, path helpers and wildcard constraints.
-# The config is validated here, at parse time, so a bad key stops the workflow before any job.
+# Validation, the matrix, every target, path helpers and wildcard constraints.
+# The config is checked here, at parse time, so a bad key stops the workflow before any job.
+import json
 import re
 from pathlib import Path
 
+from qdiff import secrets
+from qdiff.compare import COMPARE_FORMAT
 from qdiff.config import (
-    Combination,
     canonical_json,
     check_duplicate_keys,
-    load_experiment,
+    model_file,
+    model_info_file,
+    validate,
 )
-from qdiff.compare import COMPARE_FORMAT
+from qdiff.hashcache import HashCache
+from qdiff.labels import (
+    DEQUANT_COPIES,
+    DEQUANT_MODES,
+    PAIR_STEM_WILDCARDS,
+    Combination,
+    Pair,
+)
 from qdiff.localise import LOCALISE_FORMAT
-from qdiff.provenance import RECORD_FORMAT, llama_build_id
+from qdiff.probe import check_strict_devices
+from qdiff.provenance import llama_build_id
+from qdiff.records import RECORD_FORMAT
 from qdiff.run import retry_token
+from qdiff.sources import fingerprint
+from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
 
 check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
-EXPERIMENT = load_experiment(config, base_dir=Path.cwd())
-LLAMA_BUILD = llama_build_id()  # a rebuilt llama-cpp-python reruns every run
+# Before Snakemake stores, prints or pickles any of the config: hide what qdiff may not show
+# (qdiff.secrets). Jobs get the hidden values through their environment.
+secrets.export(secrets.scrub_config(config))
+EXPERIMENT, VALIDATED = validate(config, base_dir=Path.cwd())
+# scripts read runtime knobs (timeouts, stall limits) from the config, with their defaults
+config.clear()
+config.update(VALIDATED)
+ON_THIS_MACHINE = not (workflow.remote_exec or workflow.non_local_exec)
+if EXPERIMENT.strict_devices and ON_THIS_MACHINE:
+    check_strict_devices(EXPERIMENT)  # before any job: the missing backend, named
+HASHES = HashCache()
+LLAMA_BUILD = llama_build_id(HASHES)  # a rebuilt llama-cpp-python reruns every stage
 REPORT_FILES = ["results/summary.md", "results/pairs.tsv", "results/runs.tsv"]
+ENABLED_STAGES = [s for s in STAGES.values() if EXPERIMENT.stage_enabled(s)]
 
 
 def alternation(names):
@@ -34,82 +60,145 @@ wildcard_constraints:
     device=alternation(EXPERIMENT.devices),
     dev_a=alternation(EXPERIMENT.devices),
     dev_b=alternation(EXPERIMENT.devices),
-    dequant="none|f32|f16|bf16",
-    dq_a="none|f32|f16|bf16",
-    dq_b="none|f32|f16|bf16",
-    dqcopy="f32|f16|bf16",
+    dequant=alternation(DEQUANT_MODES),
+    dq_a=alternation(DEQUANT_MODES),
+    dq_b=alternation(DEQUANT_MODES),
+    dqcopy=alternation(DEQUANT_COPIES),
 
 
-def model_file(model, dequant="none"):
-    """The GGUF file a combination loads: the model itself or one of its dequantized copies."""
-    if dequant == "none":
-        return f"resources/models/{model}.gguf"
-    return f"resources/models/{model}.dequant-{dequant}.gguf"
+# ---- what the workflow makes ----
 
 
-def run_dir(model, device, dequant):
-    return f"results/runs/{model}/{device}/{dequant}"
+def pair_file(pair):
+    return f"results/compare/{pair.model}/{pair.stem}.json"
 
 
-def record_file(model, device, dequant):
-    return f"results/runs/{model}/{device}/{dequant}/record.json"
+def localise_file(model):
+    return f"results/localise/{model}.json"
 
 
-def forced_dir(model, device, dequant):
-    return f"results/forced/{model}/{device}/{dequant}"
+def all_targets(wildcards):
+    """Every file the experiment consists of. All of them, not only the report: Snakemake
+    would otherwise not recreate a deleted intermediate result whose consumers are done.
+    """
+    targets = list(REPORT_FILES)
+    for combo in EXPERIMENT.all_combinations():
+        for stage in ENABLED_STAGES:
+            targets += [stage.record(combo), stage.data(combo)]
+    targets += [pair_file(p) for p in EXPERIMENT.all_pairs()]
+    if EXPERIMENT.capture_enabled:
+        targets += [localise_file(m) for m in EXPERIMENT.models]
+    if EXPERIMENT.exact_enabled:
+        for model in EXPERIMENT.models:
+            targets += [
+                f"{exact_dir(model)}/{name}"
+                for name in ("record.json", "exact.npz", "distance.json")
+            ]
+    return targets
 
 
-def pair_file(a: Combination, b: Combination):
-    return f"results/compare/{a.model}/{a.label}__{b.label}.json"
+# ---- input, params and resource functions (rules hold no lambdas) ----
+# Large files (models, arrays) are ancient(): their timestamps never rerun anything. Content
+# flows through the small JSON beside each of them (a model's sidecar, a stage's record),
+# whose checksum Snakemake compares when its timestamp changes. Every ancient input comes
+# with that JSON as a plain input: Snakemake does not rerun a job whose only link to a
+# rerunning job is ancient files.
 
 
-# ---- input and params functions (rules hold no lambdas) ----
+def combo_of(wildcards):
+    return Combination(wildcards.model, wildcards.device, wildcards.dequant)
+
+
+def read_json_or_none(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def fetch_params(wildcards):
+    """What the fetched file's content depends on (qdiff.sources.fingerprint)."""
     spec = EXPERIMENT.models[wildcards.model]
-    return canonical_json({"source": spec.source, "sha256": spec.sha256})
+    existing = read_json_or_none(model_info_file(spec.name))
+    content = fingerprint(spec, existing, HASHES)
+    HASHES.save()
+    return canonical_json(content)
+
+
+def model_retry_token(wildcards):
+    """A failed fetch or derivation is retried by the next invocation (qdiff.run). A
+    function of the wildcards only: Snakemake leaves params that read output out of its
+    rerun check."""
+    copy = dict(wildcards.items()).get("dqcopy", "none")
+    return retry_token(model_info_file(wildcards.model, copy))
 
 
 def parent_model(wildcards):
-    return model_file(EXPERIMENT.models[wildcards.model].parent)
+    return ancient(model_file(EXPERIMENT.models[wildcards.model].parent))
 
 
 def parent_model_info(wildcards):
-    return parent_model(wildcards) + ".json"
+    return model_info_file(EXPERIMENT.models[wildcards.model].parent)
 
 
 def requant_type(wildcards):
     return EXPERIMENT.models[wildcards.model].quant
 
 
-def run_model(wildcards):
-    return model_file(wildcards.model, wildcards.dequant)
+def combination_inputs(wildcards):
+    """What every stage of a combination loads: its model file and the file's sidecar."""
+    return {
+        "model": ancient(model_file(wildcards.model, wildcards.dequant)),
+        "info": model_info_file(wildcards.model, wildcards.dequant),
+    }
 
 
-def run_model_info(wildcards):
-    return run_model(wildcards) + ".json"
+def forced_inputs(wildcards):
+    """A forced pass also needs its own free run (a self-check), the teacher's run (the
+    sequences) and, unless it is the teacher, the teacher's forced pass (slice ids)."""
+    combo = combo_of(wildcards)
+    teacher = EXPERIMENT.teacher(combo.model)
+    inputs = {
+        **combination_inputs(wildcards),
+        "own_run": RUN.record(combo),
+        "own_logits": ancient(RUN.data(combo)),
+        "teacher_run": RUN.record(teacher),
+    }
+    if combo != teacher:
+        inputs["teacher_record"] = FORCED.record(teacher)
+        inputs["teacher_data"] = ancient(FORCED.data(teacher))
+    return inputs
 
 
-def run_spec(wildcards):
-    combo = Combination(wildcards.model, wildcards.device, wildcards.dequant)
-    return canonical_json(EXPERIMENT.run_spec(combo))
+def stage_spec(stage):
+    """The params function of a stage's spec: exactly the combination's slice of the config."""
+
+    def spec(wildcards):
+        return canonical_json(EXPERIMENT.spec(stage, combo_of(wildcards)))
+
+    return spec
 
 
-def run_retry_token(wildcards):
-    """Changes after a failed run, so the next invocation retries it (qdiff.run)."""
-    return retry_token(
-        Path(record_file(wildcards.model, wildcards.device, wildcards.dequant))
-    )
+def stage_retry_token(stage):
+    def token(wildcards):
+        return retry_token(stage.record(combo_of(wildcards)))
+
+    return token
+
+
+def stage_resources(stage):
+    """A per-combination job's resources: a GPU for GPU devices, memory from the model's
+    size (what a cluster job asks for), and the stage's runtime (minutes, SLURM)."""
+    return {"gpu": run_gpus, "mem_mb": model_mem_mb, "runtime": stage.runtime_min}
 
 
 def run_threads(wildcards):
-    """On one machine a run claims every core Snakemake may use, so runs never overlap and
-    their timings (and OpenMP's spinning threads) are undisturbed; override with
+    """On one machine a job claims every core Snakemake may use, so inference never
+    overlaps and its timings (and OpenMP's spinning threads) are undisturbed; override with
     --set-threads. On a cluster each job gets a node slice of its own: ask for what the
     device uses."""
     threads = EXPERIMENT.devices[wildcards.device].threads
-    if workflow.non_local_exec or workflow.remote_exec:
+    if not ON_THIS_MACHINE:
         return threads
     return max(workflow.cores, threads)
 
@@ -130,114 +219,103 @@ def run_gpus(wildcards):
     return int(EXPERIMENT.devices[wildcards.device].on_gpu)
 
 
-def forced_inputs(wildcards):
-    """A forced pass needs its model, its own free run (a self-check), the teacher's run
-    (the sequences) and, unless it is the teacher, the teacher's forced pass (slice ids).
-    """
-    teacher = EXPERIMENT.teacher(wildcards.model)
-    own = run_dir(wildcards.model, wildcards.device, wildcards.dequant)
-    inputs = {
-        "model": run_model(wildcards),
-        "info": run_model_info(wildcards),
-        "own_logits": f"{own}/logits.npy",
-        "teacher_run": record_file(teacher.model, teacher.device, teacher.dequant),
-    }
-    if (wildcards.device, wildcards.dequant) != (teacher.device, teacher.dequant):
-        t = forced_dir(teacher.model, teacher.device, teacher.dequant)
-        inputs["teacher_record"] = f"{t}/record.json"
-        inputs["teacher_data"] = f"{t}/forced.npz"
-    return inputs
-
-
-def forced_spec(wildcards):
-    combo = Combination(wildcards.model, wildcards.device, wildcards.dequant)
-    return canonical_json(EXPERIMENT.forced_spec(combo))
-
-
-def forced_retry_token(wildcards):
-    return retry_token(
-        Path(forced_dir(wildcards.model, wildcards.device, wildcards.dequant))
-        / "record.json"
-    )
-
-
 def compare_inputs(wildcards):
-    inputs = {}
-    for side, device, dequant in (
-        ("a", wildcards.dev_a, wildcards.dq_a),
-        ("b", wildcards.dev_b, wildcards.dq_b),
-    ):
-        run = run_dir(wildcards.model, device, dequant)
-        inputs[f"record_{side}"] = f"{run}/record.json"
-        inputs[f"logits_{side}"] = f"{run}/logits.npy"
-        if EXPERIMENT.forcing_enabled:
-            forced = forced_dir(wildcards.model, device, dequant)
-            inputs[f"forced_record_{side}"] = f"{forced}/record.json"
-            inputs[f"forced_{side}"] = f"{forced}/forced.npz"
-    return inputs
-
-
-def all_run_records(wildcards):
-    return [
-        record_file(c.model, c.device, c.dequant) for c in EXPERIMENT.all_combinations()
-    ]
-
-
-def all_run_logits(wildcards):
-    return [
-        f"{run_dir(c.model, c.device, c.dequant)}/logits.npy"
-        for c in EXPERIMENT.all_combinations()
-    ]
-
-
-def all_forced_records(wildcards):
-    if not EXPERIMENT.forcing_enabled:
-        return []
-    return [
-        f"{forced_dir(c.model, c.device, c.dequant)}/record.json"
-        for c in EXPERIMENT.all_combinations()
-    ]
-
-
-def all_pair_files(wildcards):
-    return [
-        pair_file(a, b)
-        for model in EXPERIMENT.models
-        for a, b in EXPERIMENT.pairs(model)
-    ]
-
-
-def capture_dir(model, device, dequant):
-    return f"results/capture/{model}/{device}/{dequant}"
-
-
-def capture_spec(wildcards):
-    combo = Combination(wildcards.model, wildcards.device, wildcards.dequant)
-    return canonical_json(EXPERIMENT.capture_spec(combo))
-
-
-def capture_retry_token(wildcards):
-    return retry_token(
-        Path(capture_dir(wildcards.model, wildcards.device, wildcards.dequant))
-        / "record.json"
+    pair = Pair(
+        Combination(wildcards.model, wildcards.dev_a, wildcards.dq_a),
+        Combination(wildcards.model, wildcards.dev_b, wildcards.dq_b),
     )
+    inputs = {}
+    for side, combo in (("a", pair.a), ("b", pair.b)):
+        inputs[f"record_{side}"] = RUN.record(combo)
+        inputs[f"logits_{side}"] = ancient(RUN.data(combo))
+        if EXPERIMENT.forcing_enabled:
+            inputs[f"forced_record_{side}"] = FORCED.record(combo)
+            inputs[f"forced_{side}"] = ancient(FORCED.data(combo))
+    return inputs
 
 
 def localise_inputs(wildcards):
-    """Every capture of the model, and its pair comparisons (to find the largest pair)."""
+    """Every capture of the model, and its pair comparisons (to choose the pair)."""
     combos = EXPERIMENT.combinations(wildcards.model)
     return {
-        "records": [
-            f"{capture_dir(c.model, c.device, c.dequant)}/record.json" for c in combos
-        ],
-        "data": [
-            f"{capture_dir(c.model, c.device, c.dequant)}/capture.npz" for c in combos
-        ],
-        "pairs": [pair_file(a, b) for a, b in EXPERIMENT.pairs(wildcards.model)],
+        "records": [CAPTURE.record(c) for c in combos],
+        "data": [ancient(CAPTURE.data(c)) for c in combos],
+        "pairs": [pair_file(p) for p in EXPERIMENT.pairs(wildcards.model)],
     }
 
 
-def all_localise_files(wildcards):
-    if not EXPERIMENT.capture_enabled:
+def exact_dir(model):
+    return f"results/exact/{model}"
+
+
+def exact_inputs(wildcards):
+    """The model's own file and the teacher's text: its run (prompt and generated tokens)
+    and, with teacher forcing, its forced pass (the token ids every forced pass keeps).
+    """
+    teacher = EXPERIMENT.teacher(wildcards.model)
+    inputs = {
+        "model": ancient(model_file(wildcards.model)),
+        "info": model_info_file(wildcards.model),
+        "teacher_run": RUN.record(teacher),
+    }
+    if EXPERIMENT.forcing_enabled:
+        inputs["teacher_record"] = FORCED.record(teacher)
+        inputs["teacher_data"] = ancient(FORCED.data(teacher))
+    return inputs
+
+
+def exact_threads(wildcards):
+    """numpy's BLAS uses every core it may: claim them all on one machine."""
+    return max(workflow.cores, 1) if ON_THIS_MACHINE else 2
+
+
+def exact_mem_mb(wildcards, input):
+    """float64 weights take up to 16x a 4-bit file, plus the logits and working space."""
+    return int(20 * input.size_mb + 2000)
+
+
+def exact_retry_token(wildcards):
+    return retry_token(f"{exact_dir(wildcards.model)}/record.json")
+
+
+def distance_inputs(wildcards):
+    """The exact reference and every combination's run (and forced pass) of the model."""
+    combos = EXPERIMENT.combinations(wildcards.model)
+    inputs = {
+        "exact_record": f"{exact_dir(wildcards.model)}/record.json",
+        "exact_data": ancient(f"{exact_dir(wildcards.model)}/exact.npz"),
+        "records": [RUN.record(c) for c in combos],
+        "logits": [ancient(RUN.data(c)) for c in combos],
+    }
+    if EXPERIMENT.forcing_enabled:
+        inputs["forced_records"] = [FORCED.record(c) for c in combos]
+        inputs["forced_data"] = [ancient(FORCED.data(c)) for c in combos]
+    return inputs
+
+
+def stage_files(stage, kind):
+    """The records (or data files) of one stage for every combination, for the report."""
+    if not EXPERIMENT.stage_enabled(stage):
         return []
-    return [f"results/localise/{model}.json" for model in EXPERIMENT.models]
+    if kind == "record":
+        return [stage.record(c) for c in EXPERIMENT.all_combinations()]
+    return [ancient(stage.data(c)) for c in EXPERIMENT.all_combinations()]
+
+
+def report_inputs(wildcards):
+    return {
+        "records": stage_files(RUN, "record"),
+        "logits": stage_files(RUN, "data"),
+        "forced": stage_files(FORCED, "record"),
+        "pairs": [pair_file(p) for p in EXPERIMENT.all_pairs()],
+        "localised": (
+            [localise_file(m) for m in EXPERIMENT.models]
+            if EXPERIMENT.capture_enabled
+            else []
+        ),
+        "exact": (
+            [f"{exact_dir(m)}/distance.json" for m in EXPERIMENT.models]
+            if EXPERIMENT.exact_enabled
+            else []
+        ),
+    }

@@ -1,5 +1,6 @@
 # Models: fetch each configured GGUF, derive requantized models, make dequantized copies.
-# Every output is written under a temporary name and renamed when verified.
+# Each writes the file and its JSON sidecar; a failure writes a sidecar that says why (and an
+# empty file), so the runs of that model fail with the reason and the report still renders.
 
 
 # Downloads run where Snakemake runs: cluster compute nodes often have no network.
@@ -15,11 +16,11 @@ rule fetch_model:
         "results/logs/fetch_model/{model}.log",
     wildcard_constraints:
         model=alternation(FETCHED),
-    retries: 2
     conda:
         "../../envs/qdiff.yaml"
     params:
         source=fetch_params,
+        retry_token=model_retry_token,
     script:
         "../scripts/fetch_model.py"
 
@@ -42,25 +43,24 @@ rule requantize_model:
         mem_mb=model_mem_mb,
     params:
         target=requant_type,
+        llama_build=LLAMA_BUILD,
+        retry_token=model_retry_token,
     script:
-        "../scripts/quantize_model.py"
+        "../scripts/derive_model.py"
 
 
-rule dequantize_model:
+use rule requantize_model as dequantize_model with:
     input:
-        gguf="resources/models/{model}.gguf",
+        gguf=ancient("resources/models/{model}.gguf"),
         info="resources/models/{model}.gguf.json",
     output:
         gguf="resources/models/{model}.dequant-{dqcopy}.gguf",
         info="resources/models/{model}.dequant-{dqcopy}.gguf.json",
     log:
         "results/logs/dequantize_model/{model}.{dqcopy}.log",
-    conda:
-        "../../envs/cpu.yaml"
-    threads: 2
-    resources:
-        mem_mb=model_mem_mb,
+    wildcard_constraints:
+        model=alternation(EXPERIMENT.models),
     params:
         target="{dqcopy}",
-    script:
-        "../scripts/quantize_model.py"
+        llama_build=LLAMA_BUILD,
+        retry_token=model_retry_token,

@@ -1,13 +1,9 @@
-# The Markdown report and its machine-readable tables.
+# The Markdown report and its machine-readable tables: always rendered, naming every failure.
 
 
 rule report:
     input:
-        records=all_run_records,
-        logits=all_run_logits,
-        pairs=all_pair_files,
-        forced=all_forced_records,
-        localised=all_localise_files,
+        unpack(report_inputs),
     output:
         summary=REPORT_FILES[0],
         pairs=REPORT_FILES[1],

@@ -2,23 +2,29 @@
 
 from pathlib import Path
 
-from qdiff.compare import compare_forced_runs, compare_runs
-from qdiff.io import load_array, load_arrays, read_json, write_json
-from qdiff.jobs import log_to
+from qdiff import jobs
+from qdiff.compare import compare_files, failed_pair
+from qdiff.io import write_json
+from qdiff.labels import Combination, Pair
 
-log_to(snakemake.log[0])
-inputs = snakemake.input
-result = compare_runs(
-    read_json(Path(inputs.record_a)),
-    load_array(Path(inputs.logits_a)),
-    read_json(Path(inputs.record_b)),
-    load_array(Path(inputs.logits_b)),
-)
-if "forced_a" in inputs.keys():  # teacher forcing is on
-    result["forced"] = compare_forced_runs(
-        read_json(Path(inputs.forced_record_a)),
-        load_arrays(Path(inputs.forced_a)),
-        read_json(Path(inputs.forced_record_b)),
-        load_arrays(Path(inputs.forced_b)),
+output, w, i = Path(snakemake.output[0]), snakemake.wildcards, snakemake.input
+pair = Pair(Combination(w.model, w.dev_a, w.dq_a), Combination(w.model, w.dev_b, w.dq_b))
+
+
+def body(job: jobs.Job) -> None:
+    forced = (
+        (Path(i.forced_record_a), Path(i.forced_a), Path(i.forced_record_b), Path(i.forced_b))
+        if "forced_a" in i.keys()  # noqa: SIM118 - a Namedlist: `in` looks at values
+        else None
     )
-write_json(Path(snakemake.output[0]), result)
+    result = compare_files(
+        Path(i.record_a), Path(i.logits_a), Path(i.record_b), Path(i.logits_b), forced
+    )
+    write_json(job.out(output), result)
+
+
+def failed(job: jobs.Job, error: dict) -> None:
+    write_json(job.out(output), failed_pair(pair, error))
+
+
+jobs.run(snakemake, body, failed)

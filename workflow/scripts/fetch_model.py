@@ -1,14 +1,30 @@
 """Fetch one configured model into resources/models/ (rule fetch_model)."""
 
-import json
 from pathlib import Path
 
+from qdiff import jobs, records
+from qdiff.config import load_experiment
 from qdiff.io import write_json
-from qdiff.jobs import log_to, model_info
-from qdiff.sources import describe_source, fetch
+from qdiff.sources import StallLimit, describe_source, fetch
 
-log_to(snakemake.log[0])
-params = json.loads(snakemake.params.source)
-gguf = Path(snakemake.output.gguf)
-sha256 = fetch(params["source"], gguf, params["sha256"])
-write_json(Path(snakemake.output.info), model_info(gguf, sha256, describe_source(params["source"])))
+gguf, info = Path(snakemake.output.gguf), Path(snakemake.output.info)
+spec = load_experiment(snakemake.config).models[snakemake.wildcards.model]
+stall = StallLimit(**{k.removeprefix("stall_"): v for k, v in snakemake.config["download"].items()})
+
+
+def body(job: jobs.Job) -> None:
+    sha256 = fetch(
+        spec.source, job.out(gguf), spec.sha256, stall, gguf.with_name(gguf.name + ".part")
+    )
+    size = job.out(gguf).stat().st_size
+    write_json(
+        job.out(info), records.model_info(gguf.name, sha256, size, describe_source(spec.source))
+    )
+
+
+def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
+    origin = describe_source(spec.source)
+    write_json(job.out(info), records.failed_model_info(gguf.name, origin, error))
+
+
+jobs.run(snakemake, body, failed)

@@ -1,20 +1,39 @@
-"""Localise where a model's largest pair (and configured pairs) part (rule localise_model)."""
+"""Localise where a model's pairs part, op by op (rule localise_model)."""
 
 from pathlib import Path
 
+from qdiff import jobs
 from qdiff.io import read_json, write_json
-from qdiff.jobs import log_to
-from qdiff.localise import localise_model
+from qdiff.localise import FLOOR_FACTOR, localise_model
 
-log_to(snakemake.log[0])
-write_json(
-    Path(snakemake.output[0]),
-    localise_model(
+output, model = Path(snakemake.output[0]), snakemake.wildcards.model
+
+
+def body(job: jobs.Job) -> None:
+    result = localise_model(
+        model=model,
         captures=[
             (read_json(Path(r)), Path(d))
-            for r, d in zip(snakemake.input.records, snakemake.input.data)
+            for r, d in zip(snakemake.input.records, snakemake.input.data, strict=True)
         ],
         pairs=[read_json(Path(p)) for p in snakemake.input.pairs],
         configured=[tuple(p) for p in snakemake.params.pairs],
-    ),
-)
+    )
+    write_json(job.out(output), result)
+
+
+def failed(job: jobs.Job, error: dict) -> None:
+    write_json(
+        job.out(output),
+        {
+            "model": model,
+            "status": "failed",
+            "reason": error["message"],
+            "floor_factor": FLOOR_FACTOR,
+            "pairs": [],
+            "not_captured": {},
+        },
+    )
+
+
+jobs.run(snakemake, body, failed)

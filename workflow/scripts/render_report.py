@@ -2,23 +2,39 @@
 
 from pathlib import Path
 
+from qdiff import jobs
 from qdiff.io import read_json
-from qdiff.jobs import log_to
-from qdiff.report import write_report
+from qdiff.labels import Combination
+from qdiff.report import failed_report, write_report
 
-log_to(snakemake.log[0])
-write_report(
-    records=[read_json(Path(p)) for p in snakemake.input.records],
-    pairs=[read_json(Path(p)) for p in snakemake.input.pairs],
-    forced=[read_json(Path(p)) for p in snakemake.input.forced],
-    # None when capture is off (config.capture.enabled): the report says so
-    localised=[read_json(Path(p)) for p in snakemake.input.localised] or None,
-    summary_path=Path(snakemake.output.summary),
-    pairs_tsv=Path(snakemake.output.pairs),
-    runs_tsv=Path(snakemake.output.runs),
-    reference=snakemake.params.reference,
-    # "model/device.dequant" -> logits file (results/runs/{model}/{device}/{dequant}/logits.npy)
-    logits={
-        "{}/{}.{}".format(*Path(p).parts[-4:-1]): Path(p) for p in snakemake.input.logits
-    },
-)
+out = snakemake.output
+
+
+def body(job: jobs.Job) -> None:
+    records = [read_json(Path(p)) for p in snakemake.input.records]
+    write_report(
+        records=records,
+        pairs=[read_json(Path(p)) for p in snakemake.input.pairs],
+        forced=[read_json(Path(p)) for p in snakemake.input.forced],
+        # None when capture is off (config.capture.enabled): the report says so
+        localised=[read_json(Path(p)) for p in snakemake.input.localised] or None,
+        # None when the exact reference is off (config.exact.enabled)
+        exact=[read_json(Path(p)) for p in snakemake.input.exact] or None,
+        summary_path=job.out(out.summary),
+        pairs_tsv=job.out(out.pairs),
+        runs_tsv=job.out(out.runs),
+        plot_dir=job.out(out.plots),
+        plot_href=Path(out.plots).name,
+        reference=snakemake.params.reference,
+        logits={
+            Combination.from_record(r): Path(p)
+            for r, p in zip(records, snakemake.input.logits, strict=True)
+        },
+    )
+
+
+def failed(job: jobs.Job, error: dict) -> None:
+    failed_report(job.out(out.summary), error)
+
+
+jobs.run(snakemake, body, failed, directories=(out.plots,))

@@ -1,0 +1,80 @@
+"""How far each combination is from the exact answer of its weights (qdiff.exact).
+
+Per combination, with the exact logits as the reference side of every metric:
+- at the first step, over the full vocabulary and every prompt: max |Δ|, RMS, NMSE,
+  KL(exact ‖ combination) and top-1 agreement;
+- along the teacher's text, at every forced position, over the logits teacher forcing keeps
+  (qdiff.forcing): max |Δ| (median and max over positions), KL (a lower bound of the full
+  KL), and top-1 agreement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qdiff.compare import label
+from qdiff.forcing import compare_forced
+from qdiff.metrics import logit_metrics, summarise
+from qdiff.records import failure_text
+
+
+def distance(
+    exact: dict[str, np.ndarray],
+    exact_prompts: list[str],
+    record: dict[str, Any],
+    logits: np.ndarray,
+    forced: tuple[dict[str, Any], dict[str, np.ndarray]] | None,
+) -> dict[str, Any]:
+    """One combination's distance from exact, or why there is none."""
+    row: dict[str, Any] = {"combination": label(record), "dequant": record["dequant"]}
+    if record["status"] != "ok":
+        return {**row, "status": "n/a", "reason": f"{record['status']}: {failure_text(record)}"}
+    ids = [p["id"] for p in record["prompts"]]
+    if ids != exact_prompts:
+        return {
+            **row,
+            "status": "n/a",
+            "reason": "the run and the exact reference have other prompts",
+        }
+    values = logit_metrics(exact["first_logits"], logits.astype(np.float64))
+    summary = summarise(values)
+    row.update(
+        status="ok",
+        n_prompts=len(ids),
+        first_step={
+            "max_abs": summary["max_abs_max"],
+            "max_abs_median": summary["max_abs_median"],
+            "rms": summary["rms_rms"],
+            "nmse": summary["nmse_mean"],
+            "kl_mean": summary["kl_mean"],
+            "kl_max": summary["kl_max"],
+            "top1_agree": int(summary["top1_agree_count"]),
+        },
+    )
+    if forced is not None:
+        forced_record, arrays = forced
+        if forced_record["status"] != "ok":
+            row["forced"] = {"status": "n/a", "reason": failure_text(forced_record)}
+        else:
+            result = compare_forced(exact, arrays, exact_prompts)
+            row["forced"] = (
+                result
+                if result["status"] != "ok"
+                else {
+                    "status": "ok",
+                    "n_positions": result["n_positions"],
+                    "max_abs": result["max_abs"],
+                    "max_abs_median": result["max_abs_median"],
+                    "kl_mean": result["kl_mean"],
+                    "top1_agree": result["top1_agree"],
+                }
+            )
+    return row
+
+
+def closest(rows: list[dict[str, Any]]) -> str | None:
+    """The combination nearest to exact: the smallest first-step max |Δ|."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    return min(ok, key=lambda r: r["first_step"]["max_abs"])["combination"] if ok else None

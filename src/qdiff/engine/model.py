@@ -1,0 +1,254 @@
+"""One model and one context in llama.cpp, through llama-cpp-python's low-level binding.
+
+The high-level ``llama_cpp.Llama`` class hides settings that change numerics
+(``use_extra_bufts``, ``op_offload``, the split mode) and builds its own context
+parameters, so qdiff sets every parameter itself here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from qdiff.settings import KV_CACHE_TYPES, DeviceSettings
+
+ALL_LAYERS = 0x7FFFFFFF  # llama.cpp clamps this to the model's layer count
+
+
+class ModelLoadError(RuntimeError):
+    """llama.cpp could not load the model file."""
+
+
+class ContextError(RuntimeError):
+    """llama.cpp loaded the model but refused a context with the device's settings."""
+
+
+def _model_params(device: DeviceSettings) -> llama_cpp.llama_model_params:
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = ALL_LAYERS if device.on_gpu else 0
+    # one device only: a split across GPUs would be another numerics variable
+    params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_NONE
+    params.main_gpu = device.main_gpu
+    params.use_extra_bufts = device.extra_bufts
+    return params
+
+
+def _context_params(
+    device: DeviceSettings, n_ctx: int, eval_callback: Any = None
+) -> llama_cpp.llama_context_params:
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = device.n_batch
+    params.n_ubatch = min(device.n_ubatch, device.n_batch)
+    params.n_seq_max = 1
+    params.n_threads = device.threads
+    params.n_threads_batch = device.threads
+    params.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if device.flash_attn
+        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    on_gpu = device.on_gpu
+    params.offload_kqv = on_gpu
+    params.op_offload = on_gpu and device.op_offload
+    params.type_k = KV_CACHE_TYPES[device.kv_cache_type]
+    params.type_v = KV_CACHE_TYPES[device.kv_cache_type]
+    params.no_perf = True
+    if eval_callback is not None:
+        params.cb_eval = eval_callback
+    return params
+
+
+@dataclass
+class Generation:
+    """Greedy generation from one prompt, with the logits of the first step."""
+
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str
+    first_logits: np.ndarray  # float32, full vocabulary
+    prompt_seconds: float
+    decode_seconds: list[float]  # one per decode step after the prompt
+    stopped_at_eog: bool
+
+
+class LoadedModel:
+    """One model and one context, loaded with a device's settings."""
+
+    def __init__(self, path: Path, device: DeviceSettings, n_ctx: int) -> None:
+        self.device = device
+        self.n_ctx = n_ctx
+        start = time.perf_counter()
+        self._model = llama_cpp.llama_model_load_from_file(
+            str(path).encode(), _model_params(device)
+        )
+        if not self._model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path}: see the llama.cpp log above for the reason"
+            )
+        self._ctx = llama_cpp.llama_init_from_model(self._model, _context_params(device, n_ctx))
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            raise ContextError("llama.cpp refused a context with this device's settings")
+        self.load_seconds = time.perf_counter() - start
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+    def set_eval_callback(self, callback: Any) -> None:
+        """Recreate the context with llama.cpp's eval callback (cb_eval), or without (None)."""
+        llama_cpp.llama_free(self._ctx)
+        self._ctx = llama_cpp.llama_init_from_model(
+            self._model, _context_params(self.device, self.n_ctx, callback)
+        )
+        if not self._ctx:
+            raise ContextError("llama.cpp refused a context with an eval callback")
+
+    def prefill(self, prompt_tokens: list[int]) -> tuple[np.ndarray, float]:
+        """Decode the prompt from an empty cache: the first-step logits and the seconds."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
+        start = time.perf_counter()
+        self._decode(prompt_tokens)
+        return self._last_logits(), time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._ctx:
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> LoadedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(self._model, buf, len(buf))
+        return buf.value.decode(errors="replace")
+
+    def apply_chat_template(self, user_text: str, builtin: str | None = None) -> str:
+        """Wrap ``user_text`` in the model's chat template, or in llama.cpp's built-in
+        template called ``builtin`` (e.g. "gemma", "chatml")."""
+        if builtin:
+            template = builtin.encode()
+        else:
+            template = llama_cpp.llama_model_chat_template(self._model, None)
+        if not template:
+            raise ValueError(
+                "the model has no chat template: set generation.chat_template to false "
+                "or to the name of a llama.cpp built-in template"
+            )
+        messages = (llama_cpp.llama_chat_message * 1)(
+            llama_cpp.llama_chat_message(b"user", user_text.encode())
+        )
+        needed = llama_cpp.llama_chat_apply_template(template, messages, 1, True, None, 0)
+        if needed < 0:
+            raise ValueError(
+                "llama.cpp does not support this model's chat template: "
+                "set generation.chat_template: false"
+            )
+        buf = ctypes.create_string_buffer(needed + 1)
+        llama_cpp.llama_chat_apply_template(template, messages, 1, True, buf, needed + 1)
+        return buf.raw[:needed].decode("utf-8")
+
+    def tokenize(self, text: str, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            buf = (llama_cpp.llama_token * capacity)()
+            n = llama_cpp.llama_tokenize(
+                self._vocab, data, len(data), buf, capacity, True, parse_special
+            )
+            if n >= 0:
+                return list(buf[:n])
+            capacity = -n
+
+    def detokenize(self, tokens: list[int]) -> str:
+        pieces = bytearray()
+        buf = ctypes.create_string_buffer(256)
+        for token in tokens:
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:  # piece longer than the buffer
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            pieces += buf.raw[:n]
+        return pieces.decode("utf-8", errors="replace")
+
+    def _decode(self, tokens: list[int]) -> None:
+        for start in range(0, len(tokens), self.device.n_batch):
+            chunk = tokens[start : start + self.device.n_batch]
+            array = (llama_cpp.llama_token * len(chunk))(*chunk)
+            rc = llama_cpp.llama_decode(self._ctx, llama_cpp.llama_batch_get_one(array, len(chunk)))
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+        llama_cpp.llama_synchronize(self._ctx)  # GPU backends return before finishing
+
+    def _last_logits(self) -> np.ndarray:
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
+
+    def generate(self, prompt_tokens: list[int], n_new: int) -> Generation:
+        """Greedy decoding (argmax, lowest id on ties) from an empty KV cache."""
+        self._check_context(len(prompt_tokens), n_new, "new tokens")
+        first_logits, prompt_seconds = self.prefill(prompt_tokens)
+
+        logits, tokens, decode_seconds, stopped = first_logits, [], [], False
+        while True:
+            token = int(np.argmax(logits))
+            tokens.append(token)
+            if llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                stopped = True
+                break
+            if len(tokens) == n_new:
+                break
+            start = time.perf_counter()
+            self._decode([token])
+            logits = self._last_logits()
+            decode_seconds.append(time.perf_counter() - start)
+        return Generation(
+            prompt_tokens=list(prompt_tokens),
+            tokens=tokens,
+            text=self.detokenize(tokens),
+            first_logits=first_logits,
+            prompt_seconds=prompt_seconds,
+            decode_seconds=decode_seconds,
+            stopped_at_eog=stopped,
+        )
+
+    def force(
+        self,
+        prompt_tokens: list[int],
+        forced: list[int],
+        on_logits: Callable[[int, np.ndarray], None],
+    ) -> float:
+        """Teacher forcing: decode the prompt, then feed ``forced`` one token at a time,
+        calling ``on_logits(i, logits)`` with the logits that predict forced token ``i``. Token by token,
+        like ``generate``, so the arithmetic path (batch size 1 per step) is the same and
+        a combination forced along its own greedy output reproduces its own logits.
+        Returns the seconds spent."""
+        self._check_context(len(prompt_tokens), len(forced), "forced tokens")
+        start = time.perf_counter()
+        logits, _ = self.prefill(prompt_tokens)
+        for i, token in enumerate(forced):
+            on_logits(i, logits)
+            if i + 1 < len(forced):
+                self._decode([token])
+                logits = self._last_logits()
+        return time.perf_counter() - start
+
+    def _check_context(self, n_prompt: int, n_more: int, what: str) -> None:
+        if n_prompt + n_more > self.n_ctx:
+            raise ValueError(
+                f"prompt ({n_prompt} tokens) + {n_more} {what} exceed "
+                f"generation.n_ctx = {self.n_ctx}"
+            )

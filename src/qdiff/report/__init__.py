@@ -1,0 +1,143 @@
+"""The Markdown report and its TSV tables, rendered from records and comparisons.
+
+The report is a list of sections, each a short function of one model's ``ModelView``
+(``report.sections``). A section that fails is replaced by a line that says so (the
+traceback goes to the job's log): one broken section never costs the rest of the report.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from qdiff.io import write_text
+from qdiff.labels import Combination
+from qdiff.report.fmt import cell
+from qdiff.report.sections import (
+    diagnosis,
+    distance,
+    forced,
+    localised,
+    overview,
+    pairs,
+    plots,
+    runs,
+)
+from qdiff.report.tables import pairs_frame, runs_frame
+from qdiff.report.view import ModelView, split_by_model
+
+TITLE = "# qdiff report: why the same GGUF gives different text on different devices"
+
+# (heading, section) in the order a reader meets them
+MODEL_SECTIONS: list[tuple[str, Callable[[ModelView], str]]] = [
+    ("Runs", runs.runs),
+    ("Diagnosis", diagnosis.diagnosis),
+    ("Pairwise differences, largest first", pairs.pairs_table),
+    ("Teacher-forced comparison", forced.forced),
+    ("Where the pairs part: op by op", localised.localised),
+    ("Distance from the exact answer", distance.exact_distance),
+    ("Distance from the reference", pairs.reference_distance),
+    ("Tolerances for tests", pairs.tolerance_table),
+    ("Plots", plots.overview_plots),
+    ("Generated text", runs.texts),
+]
+
+
+def safely(section: Callable[..., str], *args: Any) -> str:
+    """A section's text, or a line saying it could not be rendered and why."""
+    try:
+        return section(*args)
+    except Exception as exc:  # one broken section must not cost the report
+        traceback.print_exc(file=sys.stderr)
+        return (
+            f"_This section could not be rendered ({cell(f'{type(exc).__name__}: {exc}')}); "
+            "`results/logs/report.log` has the details._"
+        )
+
+
+def _file_line(view: ModelView) -> str:
+    info = (view.ok or view.records)[0]["provenance"]["model_file"]
+    if info.get("status", "ok") != "ok":
+        return f"File `{info['file']}` is not available: {cell(info.get('error', {}).get('message', '?'))}"
+    file_type = view.ok[0]["provenance"]["model_file"].get("file_type") if view.ok else None
+    return (
+        f"File `{info['file']}` ({file_type or 'type unknown'}), from {info['origin']}, "
+        f"sha256 `{info['sha256']}`."
+    )
+
+
+def render_model(view: ModelView) -> list[str]:
+    out = ["", f"## Model `{view.model}`", "", safely(_file_line, view)]
+    for heading, section in MODEL_SECTIONS:
+        out += ["", f"### {heading}", "", safely(section, view)]
+    return out
+
+
+def render(views: list[ModelView], records: list[dict[str, Any]]) -> str:
+    status = Counter(r["status"] for r in records)
+    n_prompts = max((len(r["prompts"]) for r in records if r["status"] == "ok"), default=0)
+    devices = {r["device"] for r in records}
+    dequants = {r["dequant"] for r in records}
+    out = [
+        TITLE,
+        "",
+        f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC by the qdiff workflow. "
+        f"{len(views)} model(s) × {len(devices)} device(s) × {len(dequants)} dequant mode(s), "
+        f"{n_prompts} prompt(s) each: {status['ok']} combination(s) ran, "
+        f"{status['failed']} failed, {status['unavailable']} left out.",
+        "",
+        "## Left out and failed",
+        "",
+        safely(overview.failures, views),
+    ]
+    for view in views:
+        out += render_model(view)
+    out += ["", "## Provenance", "", safely(overview.provenance, records), ""]
+    return "\n".join(out)
+
+
+def write_report(
+    records: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    summary_path: Path,
+    pairs_tsv: Path,
+    runs_tsv: Path,
+    plot_dir: Path,
+    reference: str | None = None,
+    logits: dict[Combination, Path] | None = None,
+    forced: list[dict[str, Any]] | None = None,
+    localised: list[dict[str, Any]] | None = None,
+    exact: list[dict[str, Any]] | None = None,
+    plot_href: str | None = None,
+) -> None:
+    """Write the summary, the tables and the plots (into ``plot_dir``, linked from the
+    summary as ``plot_href``, by default the folder's own name)."""
+    write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
+    write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
+    plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even with nothing to plot
+    views = split_by_model(
+        records,
+        pairs,
+        forced or [],
+        localised,
+        exact,
+        reference,
+        logits or {},
+        plot_dir,
+        plot_href or plot_dir.name,
+    )
+    write_text(summary_path, render(views, records))
+
+
+def failed_report(summary_path: Path, error: dict[str, Any]) -> None:
+    """What the report says when it cannot be rendered at all."""
+    write_text(
+        summary_path,
+        f"{TITLE}\n\nThe report could not be rendered: {error['message']}. "
+        "`results/logs/report.log` has the details.\n",
+    )

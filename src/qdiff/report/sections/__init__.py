@@ -1,0 +1,2 @@
+"""The report's sections: each a function of one model's view (or, for the overview, of
+every model), returning Markdown."""

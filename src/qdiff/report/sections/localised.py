@@ -1,0 +1,169 @@
+"""Where a model's pairs part, op by op (qdiff.localise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qdiff import plots
+from qdiff.labels import Pair
+from qdiff.localise import around
+from qdiff.report.fmt import cell, code, num, table
+from qdiff.report.view import ModelView
+
+
+def _where(r: dict[str, Any]) -> str:
+    where = f"layer {r['layer']}" if r["layer"] is not None else "outside the layers"
+    text = f"`{r['name']}` (tensor #{r['index']}, {r['op']}: {r['family']}, {where})"
+    if r["only_a_before"] or r["only_b_before"]:
+        text += (
+            ", right after ops the two graphs compute differently (a only: "
+            + (", ".join(r["only_a_before"]) or "none")
+            + "; b only: "
+            + (", ".join(r["only_b_before"]) or "none")
+            + ")"
+        )
+    return text
+
+
+def _ratio_text(brief: dict[str, Any]) -> str:
+    return (
+        "the floor bit-identical there"
+        if brief["floor_identical"]
+        else f"{brief['ratio']:.3g}× the floor"
+    )
+
+
+def _divergence(q: dict[str, Any], factor: float) -> str:
+    d, first, firm = q["first_divergence"], q["first_difference"], q["robustness"]
+    ratio = (
+        f", {firm['ratio']:.3g}× the floor's {num(d['floor_nmse'])}"
+        if firm["ratio"] is not None
+        else ", where the floor pair is bit-identical"
+    )
+    text = (
+        f"First divergence at {_where(d)}: NMSE {num(d['nmse'])}{ratio}, max \\|Δ\\| "
+        f"{num(d['max_abs'])}, relative error {num(d['rel_err'])}."
+    )
+    if firm["marginal"]:
+        text += f" **It only just crosses the {factor:g}× threshold**, so treat this position as approximate."
+    later = f"{firm['later_above']} of the {firm['later_compared']} later tensors stay above the threshold"
+    nxt = firm["next_above"]
+    text += (
+        (
+            f" Next above the threshold: `{nxt['name']}` (#{nxt['index']}, {_ratio_text(nxt)}); "
+            if nxt
+            else " No later tensor is above the threshold; "
+        )
+        + later
+        + "."
+    )
+    largest = firm["largest"]
+    if largest and largest["index"] != d["index"]:
+        text += (
+            f" Largest ratio: `{largest['name']}` (#{largest['index']}, {_ratio_text(largest)})."
+        )
+    if first["index"] != d["index"]:
+        text += f" First difference at all: {_where(first)}."
+    return text
+
+
+def _finding(q: dict[str, Any], floor: list[str] | None, factor: float) -> str:
+    """What one prompt's localisation says, and no more than its numbers."""
+    n, first = q["n_tensors"], q["first_difference"]
+    if n == 0:
+        return (
+            "**Nothing was compared**: the two captures share no tensor (`capture.tensors` "
+            "matched none, or every match was skipped), so this says nothing about where "
+            "the pair parts."
+        )
+    if first is None:
+        return f"All {n} compared tensors are bit-identical: the pair does not part in this pass."
+    if floor is None:
+        return (
+            f"First difference at {_where(first)}. No floor pair (the same devices on the "
+            "f32 copy), so no divergence from float rounding is named."
+        )
+    if q["n_with_floor"] == 0:
+        return (
+            f"First difference at {_where(first)}. The floor pair shares none of these "
+            "tensors, so no divergence from float rounding is named."
+        )
+    if q["first_divergence"] is None:
+        return (
+            f"First difference at {_where(first)}, but none of the {q['n_with_floor']} "
+            f"tensors compared with the floor rises above {factor:g}× it: float rounding alone."
+        )
+    return _divergence(q, factor)
+
+
+def localised(view: ModelView) -> str:
+    loc = view.localised
+    if loc is None:
+        return "_Tensor capture is off (`capture.enabled`)._"
+    if loc.get("status") == "failed":
+        return f"_Localisation failed: {cell(loc['reason'])}._"
+    factor = loc["floor_factor"]
+    out = [
+        "Each combination's forward pass over the prompt was captured op by op through "
+        "llama.cpp's eval callback (last token position of every named tensor). Pairs are "
+        "chosen among those that ran the same weights file on two devices (a pair whose "
+        "weights differ parts at the embedding table and says nothing), plus "
+        "`capture.pairs`. **First difference**: the first tensor that is not bit-identical. "
+        f"**First divergence**: the first whose NMSE exceeds {factor:g}× the NMSE of the floor "
+        "pair at the same tensor; the floor pair is the same two devices on the f32 copy, which "
+        "differ only in float rounding. Without a floor pair no divergence is named."
+    ]
+    if not loc["pairs"]:
+        out += ["", "_No pair to localise: no two devices both ran one file of this model._"]
+    for entry in loc["pairs"]:
+        head = f"**`{entry['a']}` vs `{entry['b']}`** ({entry['why']})"
+        if entry["status"] != "ok":
+            out += ["", f"{head}: not localised: {cell(entry['reason'])}."]
+            continue
+        floor = entry["floor"]
+        for q in entry["prompts"]:
+            lines = [
+                f"{head}, prompt `{q['prompt']}`, {q['n_tensors']} tensors compared, floor: "
+                + (f"`{floor[0]}` vs `{floor[1]}`." if floor else "none."),
+                _finding(q, floor, factor),
+            ]
+            changed = q["capture_changed_logits"]
+            lines.append(
+                "Capturing left both combinations' logits bit-identical."
+                if not changed
+                else f"**Capturing changed the logits of {', '.join(changed)}**: observing the "
+                "graph split it differently on that backend, so this localisation describes the "
+                "observed computation, not exactly the uncaptured one."
+            )
+            out += ["", " ".join(lines)]
+            mark = q["first_divergence"] or q["first_difference"]
+            if mark is not None:
+                out += [
+                    "",
+                    table(
+                        [
+                            {
+                                "#": str(r["index"]),
+                                "tensor": code(r["name"]),
+                                "op": r["family"],
+                                "max \\|Δ\\|": num(r["max_abs"]),
+                                "NMSE": num(r["nmse"]),
+                                "floor NMSE": num(r.get("floor_nmse")),
+                            }
+                            for r in around(q["rows"], mark["index"])
+                        ]
+                    ),
+                ]
+            stem = Pair.parse(view.model, entry["a"], entry["b"]).stem
+            path = view.plot(f"depth.{stem}.{q['prompt']}")
+            if path is not None and q["rows"]:
+                divergence = q["first_divergence"]
+                plots.depth_profile(
+                    q["rows"],
+                    f"{floor[0]} vs {floor[1]}" if floor else None,
+                    divergence["index"] if divergence else None,
+                    path,
+                    f"{entry['a']} vs {entry['b']}, prompt {q['prompt']}",
+                )
+                out += ["", view.link(path, "difference by depth")]
+    return "\n".join(out)

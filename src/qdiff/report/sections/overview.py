@@ -1,0 +1,108 @@
+"""Sections about the whole experiment: what failed in which stage, and the provenance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qdiff.compare import label
+from qdiff.records import failure_text
+from qdiff.report.fmt import cell, code, table
+from qdiff.report.view import ModelView
+
+LEGEND = (
+    "`unavailable`: this llama-cpp-python build or machine lacks the device's backend (or the "
+    "teacher of a forced pass did not run), so it was left out, never run on another "
+    "backend. `failed`: the stage crashed or errored; its log is named in the reason (under "
+    "`results/logs/`), and the next `snakemake` retries it. A pair that involves a "
+    'combination that did not run is `n/a`, never "equal".'
+)
+
+
+def failures(views: list[ModelView]) -> str:
+    """Every stage's failures, one row per combination and reason, naming the stages it
+    cost: runs (and the model file's fetch or derivation, whose failure they carry), forced
+    passes, captures; then comparisons and localisations that failed on their own."""
+    grouped: dict[tuple[str, str, str, str], list[str]] = {}
+
+    def add(model: str, what: str, stage: str, status: str, reason: str) -> None:
+        grouped.setdefault((model, what, status, reason), []).append(stage)
+
+    for v in views:
+        for r in v.records:
+            if r["status"] != "ok":
+                upstream = r.get("error", {}).get("kind") == "upstream"
+                add(
+                    v.model,
+                    label(r),
+                    "model file" if upstream else "run",
+                    r["status"],
+                    failure_text(r),
+                )
+        for r in v.forced:
+            if r["status"] == "failed":  # unavailable: left out with its run or its teacher
+                add(v.model, label(r), "teacher forcing", r["status"], failure_text(r))
+        if v.localised is not None:
+            for combo, why in v.localised.get("not_captured", {}).items():
+                if why["status"] == "failed":
+                    add(v.model, combo, "capture", why["status"], why["reason"])
+            if v.localised.get("status") == "failed":
+                add(v.model, "localisation", "localisation", "failed", failure_text(v.localised))
+        for p in v.pairs:
+            if p["status"] == "failed":
+                add(v.model, f"{p['a']} vs {p['b']}", "comparison", "failed", failure_text(p))
+    if not grouped:
+        return "Every stage of every combination ran."
+    rows = [
+        {
+            "model": code(model),
+            "what": code(what),
+            "stages": ", ".join(dict.fromkeys(stages)),
+            "status": status,
+            "reason": cell(reason),
+        }
+        for (model, what, status, reason), stages in grouped.items()
+    ]
+    return LEGEND + "\n\n" + table(rows)
+
+
+def provenance(records: list[dict[str, Any]]) -> str:
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        return "_no combination ran_"
+    first = ok[0]["provenance"]
+    common = {
+        "qdiff": first["qdiff"],
+        "llama-cpp-python": first["llama_cpp_python"],
+        "Python": first["python"],
+        "NumPy": first["numpy"],
+        "OS": first["os"],
+        "CPU": first["cpu_model"],
+        "llama.cpp system info": f"`{first['system_info']}`",
+    }
+    lines = [f"- **{k}**: {v}" for k, v in common.items()]
+    rows = []
+    for r in ok:
+        prov = r["provenance"]
+        used = ", ".join(f"{d['name']} ({d['description']})" for d in prov["used_devices"])
+        gpu = prov.get("device_info") or {}
+        rows.append(
+            {
+                "model": code(r["model"]),
+                "combination": code(label(r)),
+                "device used": used
+                + (f", driver {gpu['driver']}, CUDA {gpu['cuda']}" if gpu.get("cuda") else ""),
+                "model file sha256": prov["model_file"]["sha256"][:16] + "…",
+                "weight types": ", ".join(
+                    f"{k}×{v}" for k, v in prov["model_file"]["weight_types"].items()
+                ),
+                "settings": ", ".join(
+                    f"{k}={v}"
+                    for k, v in r["settings"].items()
+                    if k not in ("backend", "env") and v != {}
+                ),
+                # values of names qdiff does not know as settings are placeholders (qdiff.secrets)
+                "env": ", ".join(f"{k}={v}" for k, v in r["settings"].get("env", {}).items())
+                or "–",
+            }
+        )
+    return "\n".join(lines) + "\n\n" + table(rows)

@@ -1,0 +1,161 @@
+"""Per-model sections over the pairwise comparisons: the table, the distance from the
+reference, and tolerances for tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from qdiff.compare import headline
+from qdiff.metrics import PAIR_METRICS
+from qdiff.report.fmt import code, count, num, table
+from qdiff.report.view import ModelView
+from qdiff.tolerance import HEADROOM, tolerances
+
+LEGEND = (
+    "Every pair compares two combinations of the same model on the same prompts. Logit "
+    "metrics are over the full vocabulary at the first generated position (the prompt's last "
+    "token), with the left combination as reference: "
+    + "; ".join(f"**{m.header}**: {m.note}" for m in PAIR_METRICS if m.shown)
+    + ". Statistics are over prompts (max |Δ| is the largest, NMSE and KL means unless "
+    "named). **forked**: prompts whose greedy texts differ; **first fork**: the earliest "
+    "generated step (0-based) where two texts differ."
+)
+
+
+def _metric_cells(summary: dict[str, Any]) -> dict[str, str]:
+    cells = {}
+    n = summary["n_prompts"]
+    for m in PAIR_METRICS:
+        for stat in m.shown:
+            value = summary[m.summary_key(stat)]
+            cells[m.column(stat)] = count(int(value), n) if m.flag else num(value)
+    return cells
+
+
+def pairs_table(view: ModelView) -> str:
+    # sorted by the numbers, before any of them is formatted
+    ranked = sorted(
+        view.pairs, key=lambda p: (p["status"] != "ok", -headline(p) if p["status"] == "ok" else 0)
+    )
+    rows = []
+    for p in ranked:
+        head = {
+            "a": code(p["a"]),
+            "b": code(p["b"]),
+            "what differs": "; ".join(p["differs"]) or "nothing",
+        }
+        if p["status"] != "ok":
+            rows.append({**head, PAIR_METRICS[0].column("max"): f"{p['status']}: {p['reason']}"})
+            continue
+        s = p["summary"]
+        rows.append(
+            {
+                **head,
+                **_metric_cells(s),
+                "forked": count(s["forked"], s["n_prompts"]),
+                "first fork": "none" if s["first_fork_step"] is None else str(s["first_fork_step"]),
+            }
+        )
+    return LEGEND + "\n\n" + table(rows)
+
+
+def _oriented(pair: dict[str, Any], reference: str) -> list[tuple[float, float, bool]]:
+    """(KL(ref‖x), Δp of ref's top token, same top token) per prompt, reference first."""
+    if pair["a"] == reference:
+        return [(q["kl"], q["dp_top"], q["top1_agree"]) for q in pair["prompts"]]
+    return [(q["kl_ba"], q["dp_top_ba"], q["top1_agree"]) for q in pair["prompts"]]
+
+
+def reference_distance(view: ModelView) -> str:
+    reference = view.reference
+    if reference is None:
+        return "_No reference configured (`reference:` in the config)._"
+    rows = []
+    for p in view.ok_pairs:
+        if reference not in (p["a"], p["b"]):
+            continue
+        values = _oriented(p, reference)
+        kl = np.array([v[0] for v in values])
+        rows.append(
+            (
+                float(kl.mean()),
+                {
+                    "combination": code(p["b"] if p["a"] == reference else p["a"]),
+                    "KL mean": num(float(kl.mean())),
+                    "KL median": num(float(np.median(kl))),
+                    "KL p99": num(float(np.percentile(kl, 99))),
+                    "KL max": num(float(kl.max())),
+                    "same top token": count(sum(v[2] for v in values), len(values)),
+                    "RMS Δp": num(float(np.sqrt(np.mean([v[1] ** 2 for v in values])))),
+                    "max \\|Δ\\|": num(headline(p)),
+                },
+            )
+        )
+    if not rows:
+        return f"_The reference `{reference}` did not run for this model._"
+    rows.sort(key=lambda r: -r[0])  # by the number, not by its formatted text
+    return (
+        f"KL(`{reference}` ‖ combination) over prompts, as llama-perplexity reports it; Δp is "
+        "for the reference's top token.\n\n" + table([r for _, r in rows])
+    )
+
+
+def tolerance_table(view: ModelView) -> str:
+    rows = tolerances(view.pairs)
+    if not rows:
+        return "_No two combinations ran the same file on different devices or settings: no tolerance to recommend._"
+    out = []
+    for t in rows:
+        forced = (
+            f"{num(t.forced_max)} (`{t.forced_where}`), {t.forced_values} positions × top {t.top_k}"
+            if t.forced_max is not None
+            else "not measured (teacher forcing off)"
+        )
+        out.append(
+            {
+                "between": t.scope,
+                "file": t.dequant,
+                "first step, full vocabulary": f"{num(t.first_step_max)} (`{t.first_step_where}`), {t.first_step_values} prompts",
+                "along the text, kept logits": forced,
+                "top-1 agrees": count(*t.top1_first_step)
+                + (f"; {count(*t.top1_forced)} positions" if t.top1_forced else ""),
+                "texts forked": count(*t.forked),
+                "recommended atol": num(t.atol),
+                "largest / atol": f"{t.largest / t.atol:.2f}" if t.atol else "–",
+            }
+        )
+    first = next((t for t in rows if t.dequant == "none"), rows[0])
+    covers = (
+        f"the first-step logits of {first.first_step_values} prompt comparisons over the full vocabulary"
+        + (
+            f" and {first.forced_values} teacher-forced positions over the teacher's top {first.top_k} "
+            "tokens (qdiff keeps no more there; the full vocabulary may differ more at those "
+            "positions)"
+            if first.forced_max is not None
+            else ""
+        )
+    )
+    snippet = (
+        f"```python\n# {view.model}, {first.dequant} file, {first.scope}. Covers {covers}.\n"
+        f"# Largest difference seen: {num(first.largest)}; {HEADROOM:g}x that, rounded up:\n"
+        f"np.testing.assert_allclose(logits_device, logits_reference, rtol=0, atol={first.atol:g})\n"
+        + (
+            "assert logits_device.argmax() == logits_reference.argmax()  "
+            "# held at every compared position\n"
+            if first.top1_always
+            else f"# top-1 did not always agree ({count(*first.top1_first_step)} first steps"
+            + (f", {count(*first.top1_forced)} forced positions" if first.top1_forced else "")
+            + "): do not assert the argmax\n"
+        )
+        + f"# greedy text forked in {count(*first.forked)} comparisons: compare logits, not text\n```"
+    )
+    return (
+        f"Each row covers every pair of combinations that ran the same file and differ only "
+        f"as the first column says. The recommended atol is {HEADROOM:g}× the largest difference "
+        "over all of its data, rounded up, so nothing compared exceeds it.\n\n"
+        + table(out)
+        + "\n\n"
+        + snippet
+    )

@@ -1,0 +1,83 @@
+"""What the report knows about one model: every section renders from a ``ModelView``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from qdiff.labels import Combination
+
+
+@dataclass
+class ModelView:
+    model: str
+    records: list[dict[str, Any]]  # run records, in matrix order
+    pairs: list[dict[str, Any]]
+    forced: list[dict[str, Any]] = field(default_factory=list)  # forced-pass records
+    localised: dict[str, Any] | None = None  # None: capture is off
+    exact: dict[str, Any] | None = None  # distance from exact (qdiff.distance); None: off
+    reference: str | None = None  # label of the reference combination
+    logits: dict[Combination, Path] = field(default_factory=dict)
+    plot_dir: Path | None = None  # where plots are written; None: no plots are drawn
+    plot_href: str = "plots"  # the plots folder as the summary links it
+
+    @cached_property
+    def ok(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["status"] == "ok"]
+
+    @cached_property
+    def ok_pairs(self) -> list[dict[str, Any]]:
+        return [p for p in self.pairs if p["status"] == "ok"]
+
+    @cached_property
+    def forced_pairs(self) -> list[dict[str, Any]]:
+        return [p for p in self.pairs if p.get("forced", {}).get("status") == "ok"]
+
+    @cached_property
+    def prompts(self) -> dict[str, str]:
+        """Prompt id -> text, from the first run that ran."""
+        return {
+            p["id"]: p.get("prompt_text", p["id"])
+            for p in (self.ok[0]["prompts"] if self.ok else [])
+        }
+
+    def plot(self, name: str) -> Path | None:
+        """Where a plot of this model goes, or None when plots are off."""
+        return None if self.plot_dir is None else self.plot_dir / f"{self.model}.{name}.png"
+
+    def link(self, path: Path, alt: str) -> str:
+        assert self.plot_dir is not None
+        return f"![{alt}]({self.plot_href}/{path.name})"
+
+
+def split_by_model(
+    records: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    forced: list[dict[str, Any]],
+    localised: list[dict[str, Any]] | None,
+    exact: list[dict[str, Any]] | None,
+    reference: str | None,
+    logits: dict[Combination, Path],
+    plot_dir: Path | None,
+    plot_href: str = "plots",
+) -> list[ModelView]:
+    models = list(dict.fromkeys(r["model"] for r in records))
+    by_model = {x["model"]: x for x in localised} if localised is not None else None
+    exact_by_model = {x["model"]: x for x in exact} if exact is not None else None
+    return [
+        ModelView(
+            model=m,
+            records=[r for r in records if r["model"] == m],
+            pairs=[p for p in pairs if p["model"] == m],
+            forced=[r for r in forced if r["model"] == m],
+            localised=(by_model.get(m) if by_model is not None else None),
+            exact=(exact_by_model.get(m) if exact_by_model is not None else None),
+            reference=reference,
+            logits={c: p for c, p in logits.items() if c.model == m},
+            plot_dir=plot_dir,
+            plot_href=plot_href,
+        )
+        for m in models
+    ]

@@ -1,0 +1,114 @@
+"""Tolerances for cross-device tests, derived from everything the experiment compared.
+
+A tolerance is only as good as the data it was checked against, so each one says what it
+covers: which pairs (grouped by what changed between them: another backend or GPU, or only
+settings on the same device), the first-step logits over the full vocabulary, and, where
+teacher forcing ran, every later position over the logits it keeps (the teacher's top-k).
+The recommended ``atol`` is 1.5× the largest difference over all of that, rounded up, so no
+compared value exceeds it; the headroom is shown.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from qdiff.compare import headline
+from qdiff.labels import Pair
+from qdiff.settings import RELATION_TEXT
+
+HEADROOM = 1.5
+CROSS_DEVICE = ("backend", "gpu")
+
+
+def round_up(x: float) -> float:
+    """x rounded up to two significant digits."""
+    if x <= 0:
+        return 0.0
+    step = 10 ** (math.floor(math.log10(x)) - 1)
+    return round(math.ceil(x / step - 1e-9) * step, 12)
+
+
+@dataclass
+class Tolerance:
+    scope: str  # "cross-backend", "same device, other settings", ...
+    dequant: str
+    pairs: list[str]
+    first_step_max: float  # over the full vocabulary, every prompt
+    first_step_where: str
+    first_step_values: int  # prompts x pairs
+    forced_max: float | None  # over the teacher's top-k, every forced position
+    forced_where: str | None
+    forced_values: int  # positions x pairs
+    top_k: int | None
+    top1_first_step: tuple[int, int]
+    top1_forced: tuple[int, int] | None
+    forked: tuple[int, int]
+
+    @property
+    def largest(self) -> float:
+        return max(self.first_step_max, self.forced_max or 0.0)
+
+    @property
+    def atol(self) -> float:
+        return round_up(HEADROOM * self.largest)
+
+    @property
+    def top1_always(self) -> bool:
+        agree = [self.top1_first_step] + ([self.top1_forced] if self.top1_forced else [])
+        return all(k == n for k, n in agree)
+
+
+def _scope(result: dict[str, Any]) -> str:
+    relation = result.get("relation", "backend")
+    return "cross-device" if relation in CROSS_DEVICE else RELATION_TEXT[relation]
+
+
+def tolerances(pairs: list[dict[str, Any]]) -> list[Tolerance]:
+    """One tolerance per scope and file, over the pairs that ran the same file."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in pairs:
+        pair = Pair.from_result(p)
+        if p["status"] == "ok" and pair.same_file and p.get("relation") != "same":
+            groups.setdefault((_scope(p), pair.a.dequant), []).append(p)
+    rows = []
+    for (scope, dequant), group in sorted(
+        groups.items(), key=lambda kv: (kv[0][0] != "cross-device", kv[0])
+    ):
+        worst = max(group, key=headline)
+        forced = [p for p in group if p.get("forced", {}).get("status") == "ok"]
+        worst_forced = max(forced, key=lambda p: p["forced"]["max_abs"]) if forced else None
+        rows.append(
+            Tolerance(
+                scope=scope
+                if scope != "same device, other settings"
+                else f"same device, other settings ({'; '.join(sorted({d for p in group for d in p['differs']}))})",
+                dequant=dequant,
+                pairs=[f"{p['a']} vs {p['b']}" for p in group],
+                first_step_max=headline(worst),
+                first_step_where=f"{worst['a']} vs {worst['b']}",
+                first_step_values=sum(p["summary"]["n_prompts"] for p in group),
+                forced_max=worst_forced["forced"]["max_abs"] if worst_forced else None,
+                forced_where=f"{worst_forced['a']} vs {worst_forced['b']}"
+                if worst_forced
+                else None,
+                forced_values=sum(p["forced"]["n_positions"] for p in forced),
+                top_k=forced[0]["forced"]["top_k"] if forced else None,
+                top1_first_step=(
+                    sum(p["summary"]["top1_agree_count"] for p in group),
+                    sum(p["summary"]["n_prompts"] for p in group),
+                ),
+                top1_forced=(
+                    sum(p["forced"]["top1_agree"] for p in forced),
+                    sum(p["forced"]["n_positions"] for p in forced),
+                )
+                if forced
+                else None,
+                forked=(
+                    sum(p["summary"]["forked"] for p in group),
+                    sum(p["summary"]["n_prompts"] for p in group),
+                ),
+            )
+        )
+    return rows

@@ -1,0 +1,112 @@
+"""A real HTTP server on 127.0.0.1 that serves a model file, for tests: resumable ranges,
+redirects, 404s, transient 503s, dropped connections and a trickle that stalls."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class ModelServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, payload: bytes) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.payload = payload
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        self.drops_left = 0  # requests to cut off halfway
+        self.failures_left = 0  # requests to answer with 503
+        self.trickle: tuple[int, float] | None = None  # (bytes, seconds) per write: a slow server
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: ModelServer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _body(self) -> bytes | None:
+        path = self.path.split("?")[0]
+        if path.endswith("/missing.gguf"):
+            return None
+        if path.endswith("/page.html"):
+            return b"<html>not a model</html>"
+        return self.server.payload
+
+    def do_HEAD(self) -> None:  # the Hugging Face client asks for metadata first
+        self.server.requests.append(("HEAD", self.path, dict(self.headers)))
+        body = self._body()
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
+        self.send_header("X-Repo-Commit", "0" * 40)
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        server = self.server
+        server.requests.append(("GET", self.path, dict(self.headers)))
+        if self.path.startswith("/redirect"):
+            self.send_response(302)
+            self.send_header("Location", "/model.gguf")
+            self.end_headers()
+            return
+        if server.failures_left:
+            server.failures_left -= 1
+            self.send_error(503)
+            return
+        body = self._body()
+        if body is None:
+            self.send_error(404)
+            return
+        start = 0
+        if rng := self.headers.get("Range"):
+            start = int(rng.removeprefix("bytes=").split("-")[0])
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(body) - start))
+        self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
+        self.send_header("X-Repo-Commit", "0" * 40)
+        self.end_headers()
+        chunk = body[start:]
+        if server.trickle:
+            size, pause = server.trickle
+            for i in range(0, len(chunk), size):
+                try:
+                    self.wfile.write(chunk[i : i + size])
+                    self.wfile.flush()
+                except OSError:  # the client gave up
+                    return
+                time.sleep(pause)
+            return
+        if server.drops_left:
+            server.drops_left -= 1
+            self.wfile.write(chunk[: len(chunk) // 2])
+            self.wfile.flush()
+            self.connection.shutdown(2)  # drop the connection mid-body
+            return
+        self.wfile.write(chunk)
+
+
+@contextmanager
+def serving(payload: bytes) -> Iterator[ModelServer]:
+    srv = ModelServer(payload)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -1,0 +1,177 @@
+"""The report's sections, each rendered from a small hand-made view (pure logic; the
+workflow tests render real reports)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from qdiff.report import MODEL_SECTIONS, render_model, safely
+from qdiff.report.sections import overview, pairs, runs
+from qdiff.report.view import ModelView
+
+
+def run_record(device: str, dequant: str, status: str = "ok", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "device": device,
+        "dequant": dequant,
+        "status": status,
+        "settings": {"backend": "cpu", "env": {}},
+        "prompts": [{"id": "p", "prompt_text": "Hi", "tokens": [1, 2], "text": "ab"}]
+        if status == "ok"
+        else [],
+        "timings": {"load_s": 0.5, "prompt_ms_mean": 10.0, "decode_ms_per_token": 2.0},
+        "provenance": {
+            "model_file": {
+                "file": "m.gguf",
+                "sha256": "0" * 64,
+                "origin": "test",
+                "weight_types": {"q8_0": 2},
+            }
+        },
+        **extra,
+    }
+
+
+def pair(
+    a: str,
+    b: str,
+    max_abs: float,
+    relation: str = "backend",
+    differs: str = "backend cpu→cuda",
+    **summary: Any,
+) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "a": a,
+        "b": b,
+        "status": "ok",
+        "differs": [differs],
+        "relation": relation,
+        "summary": {
+            "n_prompts": 4,
+            "max_abs_max": max_abs,
+            "mean_abs_mean": max_abs / 10,
+            "rms_rms": max_abs / 5,
+            "nmse_mean": 1e-6,
+            "kl_mean": 1e-3,
+            "kl_max": 2e-3,
+            "top1_agree_count": 4,
+            "bit_identical_count": 0,
+            "forked": 1,
+            "first_fork_step": 3,
+            **summary,
+        },
+        "prompts": [
+            {
+                "prompt": f"p{i}",
+                "max_abs": max_abs * (i + 1) / 4,
+                "kl": 1e-3,
+                "kl_ba": 1e-3,
+                "dp_top": 0.01,
+                "dp_top_ba": 0.01,
+                "top1_agree": True,
+            }
+            for i in range(4)
+        ],
+    }
+
+
+def test_the_pairs_table_sorts_by_number_not_by_its_text() -> None:
+    # formatted, "9.5e-05" sorts after "0.2" as text; as numbers it is the smallest
+    view = ModelView(
+        "m",
+        [],
+        [
+            pair("cpu.none", "cuda.none", 9.5e-05),
+            pair("cpu.f32", "cuda.f32", 0.2),
+            pair("cpu.f16", "cuda.f16", 150.0),
+        ],
+    )
+    rows = [line for line in pairs.pairs_table(view).splitlines() if line.startswith("| `")]
+    assert [r.split("|")[1].strip() for r in rows] == ["`cpu.f16`", "`cpu.f32`", "`cpu.none`"]
+
+
+def test_a_pair_that_did_not_run_is_never_shown_as_a_number() -> None:
+    view = ModelView(
+        "m",
+        [],
+        [
+            {
+                "model": "m",
+                "a": "cpu.none",
+                "b": "gpu.none",
+                "status": "n/a",
+                "differs": [],
+                "reason": "gpu.none unavailable",
+                "prompts": [],
+            }
+        ],
+    )
+    assert "n/a: gpu.none unavailable" in pairs.pairs_table(view)
+
+
+def test_failures_are_listed_once_per_cause_with_every_stage_they_cost() -> None:
+    upstream = {"kind": "upstream", "message": "model file m.gguf is missing: HTTP 404"}
+    view = ModelView(
+        "m",
+        [
+            run_record("cpu", "none", "failed", error=upstream),
+            run_record("gpu", "none", "unavailable", error={"message": "no cuda"}),
+        ],
+        [],
+        forced=[run_record("cpu", "none", "failed", error=upstream)],
+        localised={
+            "not_captured": {
+                "cpu.none": {"status": "failed", "kind": "upstream", "reason": upstream["message"]}
+            },
+            "pairs": [],
+        },
+    )
+    text = overview.failures([view])
+    (row,) = [line for line in text.splitlines() if "`cpu.none`" in line]
+    assert "model file, teacher forcing, capture" in row and "HTTP 404" in row
+    assert "`gpu.none`" in text and "unavailable" in text
+
+
+def test_a_broken_section_costs_only_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    def broken(view: ModelView) -> str:
+        raise KeyError("summary")
+
+    assert "could not be rendered (KeyError: 'summary')" in safely(broken, ModelView("m", [], []))
+    assert "KeyError" in capsys.readouterr().err  # the traceback goes to the job's log
+
+
+def test_every_section_renders_for_a_model_that_did_not_run_at_all() -> None:
+    view = ModelView("m", [run_record("cpu", "none", "failed", error={"message": "boom"})], [])
+    text = "\n".join(render_model(view))
+    for heading, _ in MODEL_SECTIONS:
+        assert f"### {heading}" in text
+    assert "could not be rendered" not in text
+
+
+def test_texts_mark_which_combinations_agree_with_the_first() -> None:
+    a, b = run_record("cpu", "none"), run_record("cuda", "none")
+    b["prompts"][0]["tokens"] = [1, 3]
+    text = runs.texts(ModelView("m", [a, b], []))
+    assert re.search(r"\| `cpu.none`\s+\| same", text) and re.search(
+        r"\| `cuda.none`\s+\| differs", text
+    )
+
+
+def test_the_tolerance_says_what_it_covers_and_never_calls_a_setting_change_cross_device() -> None:
+    view = ModelView(
+        "m",
+        [],
+        [
+            pair("cpu.none", "cuda.none", 2.0),
+            pair("cpu.none", "cpu-fa.none", 1.8, "settings", "flash_attn off→on"),
+        ],
+    )
+    text = pairs.tolerance_table(view)
+    assert "| cross-device " in text and "same device, other settings (flash_attn off→on)" in text
+    assert "atol=3)" in text  # 1.5 x 2.0, rounded up
+    assert "Covers the first-step logits of 4 prompt comparisons over the full vocabulary" in text

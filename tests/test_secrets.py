@@ -1,0 +1,79 @@
+"""What qdiff may show of configured values (pure logic; test_failures checks the workflow)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from qdiff import secrets
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("GGML_CUDA_DISABLE_FUSION", True),
+        ("NVIDIA_TF32_OVERRIDE", True),
+        ("CUDA_VISIBLE_DEVICES", True),
+        ("GGML_VK_VISIBLE_DEVICES", True),
+        ("OMP_NUM_THREADS", True),
+        # plausible secret names that a name-based redaction misses, and settings-like
+        # names with a secret word in them
+        ("MY_SERVICE_PAT", False),
+        ("HF_ACCESS", False),
+        ("DATABASE_DSN", False),
+        ("OPENAI_ORG", False),
+        ("CUDA_API_KEY", False),
+        ("GGML_TOKEN", False),
+        ("HF_TOKEN", False),
+    ],
+)
+def test_only_known_settings_are_shown(name: str, shown: bool) -> None:
+    assert secrets.is_setting(name) is shown
+
+
+def test_scrub_hides_values_and_urls_in_place_and_reveal_restores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = {
+        "devices": {"cpu": {"backend": "cpu", "env": {"GGML_X": "1", "MY_PAT": "s3cret-value"}}},
+        "models": {
+            "m": {"url": "https://host/m.gguf?sig=abc123&exp=9", "sha256": "0" * 64},
+            "n": {"url": "https://user:pw@host/n.gguf"},
+        },
+    }
+    table = secrets.scrub_config(config, tmp_path / "key")
+    env = config["devices"]["cpu"]["env"]
+    assert env["GGML_X"] == "1" and secrets.PLACEHOLDER.fullmatch(env["MY_PAT"])
+    url = config["models"]["m"]["url"]
+    assert url.startswith("https://host/m.gguf?<hidden:") and "abc123" not in url
+    assert "pw" not in config["models"]["n"]["url"] and secrets.has_credentials(
+        config["models"]["n"]["url"]
+    )
+    assert "s3cret-value" not in repr(config)
+    assert (tmp_path / "key").stat().st_mode & 0o777 == 0o600
+    # the same value gives the same placeholder (params stay stable); another value another
+    again = {"devices": {"cpu": {"env": {"MY_PAT": "s3cret-value"}}}}
+    secrets.scrub_config(again, tmp_path / "key")
+    assert again["devices"]["cpu"]["env"]["MY_PAT"] == env["MY_PAT"]
+    changed = {"devices": {"cpu": {"env": {"MY_PAT": "s3cret-value2"}}}}
+    secrets.scrub_config(changed, tmp_path / "key")
+    assert changed["devices"]["cpu"]["env"]["MY_PAT"] != env["MY_PAT"]
+    for name in list(os.environ):
+        if name.startswith(secrets.ENV_PREFIX):
+            monkeypatch.delenv(name)
+    with pytest.raises(secrets.HiddenValueMissingError, match="run it through snakemake"):
+        secrets.reveal(url)
+    secrets.export(table)
+    assert secrets.reveal(url) == "https://host/m.gguf?sig=abc123&exp=9"
+    assert secrets.reveal_env(env) == {"GGML_X": "1", "MY_PAT": "s3cret-value"}
+
+
+def test_nothing_to_hide_creates_no_key(tmp_path: Path) -> None:
+    config = {
+        "devices": {"cpu": {"backend": "cpu", "env": {"GGML_X": "1"}}},
+        "models": {"m": {"path": "a.gguf"}},
+    }
+    assert secrets.scrub_config(config, tmp_path / "key") == {}
+    assert not (tmp_path / "key").exists()

@@ -1,0 +1,69 @@
+# The per-combination stages (qdiff.stages): one job per model x device x dequant and stage,
+# each running llama.cpp in an isolated child process, so a crash becomes a "failed" record.
+# One rule body; the other stages are derived from it and differ only in what they read and
+# write. A stage's own rule means changing its settings never reruns the others.
+
+
+rule run_combination:
+    input:
+        unpack(combination_inputs),
+    output:
+        record=RUN.record_pattern,
+        data=RUN.data_pattern,
+    log:
+        RUN.log_pattern,
+    benchmark:
+        RUN.benchmark_pattern
+    conda:
+        run_env
+    threads: run_threads
+    resources:
+        **stage_resources(RUN),
+    params:
+        stage=RUN.name,
+        spec=stage_spec(RUN),
+        llama_build=LLAMA_BUILD,
+        format=RECORD_FORMAT,
+        retry_token=stage_retry_token(RUN),
+    script:
+        "../scripts/combination_stage.py"
+
+
+# Teacher forcing (qdiff.forcing): every combination fed the teacher's greedy output.
+use rule run_combination as force_combination with:
+    input:
+        unpack(forced_inputs),
+    output:
+        record=FORCED.record_pattern,
+        data=FORCED.data_pattern,
+    log:
+        FORCED.log_pattern,
+    benchmark:
+        FORCED.benchmark_pattern
+    resources:
+        **stage_resources(FORCED),
+    params:
+        stage=FORCED.name,
+        spec=stage_spec(FORCED),
+        llama_build=LLAMA_BUILD,
+        format=RECORD_FORMAT,
+        retry_token=stage_retry_token(FORCED),
+
+
+# Tensor capture (qdiff.localise): the named intermediate tensors of one forward pass.
+use rule run_combination as capture_combination with:
+    output:
+        record=CAPTURE.record_pattern,
+        data=CAPTURE.data_pattern,
+    log:
+        CAPTURE.log_pattern,
+    benchmark:
+        CAPTURE.benchmark_pattern
+    resources:
+        **stage_resources(CAPTURE),
+    params:
+        stage=CAPTURE.name,
+        spec=stage_spec(CAPTURE),
+        llama_build=LLAMA_BUILD,
+        format=RECORD_FORMAT,
+        retry_token=stage_retry_token(CAPTURE),

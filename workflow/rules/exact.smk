@@ -1,0 +1,42 @@
+# The exact answer of each model's weights, in float64 (qdiff.exact), and how far every
+# combination is from it (qdiff.distance). The reference reads the teacher's text, so only a
+# change of the teacher reruns it; adding or changing other devices never does.
+
+
+rule exact_reference:
+    input:
+        unpack(exact_inputs),
+    output:
+        record="results/exact/{model}/record.json",
+        data="results/exact/{model}/exact.npz",
+    log:
+        "results/logs/exact/{model}.log",
+    benchmark:
+        "results/benchmarks/exact/{model}.tsv"
+    conda:
+        "../../envs/qdiff.yaml"
+    threads: exact_threads
+    resources:
+        mem_mb=exact_mem_mb,
+        runtime=120,
+    params:
+        top_k=EXPERIMENT.teacher_forcing["top_k"],
+        format=RECORD_FORMAT,
+        retry_token=exact_retry_token,
+    script:
+        "../scripts/exact_reference.py"
+
+
+rule distance_from_exact:
+    input:
+        unpack(distance_inputs),
+    output:
+        "results/exact/{model}/distance.json",
+    log:
+        "results/logs/exact/{model}.distance.log",
+    conda:
+        "../../envs/qdiff.yaml"
+    params:
+        format=RECORD_FORMAT,
+    script:
+        "../scripts/distance_from_exact.py"

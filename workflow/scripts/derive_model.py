@@ -1,0 +1,38 @@
+"""Make a requantized or dequantized copy with llama_model_quantize, in a child process
+(rules requantize_model, dequantize_model)."""
+
+from pathlib import Path
+
+from qdiff import jobs, records
+from qdiff.hashcache import sha256_of
+from qdiff.io import read_json, write_json
+from qdiff.quant import derive
+
+gguf, info = Path(snakemake.output.gguf), Path(snakemake.output.info)
+target = snakemake.params.target
+parent = read_json(Path(snakemake.input.info))
+origin = f"{target} of {parent['file']} (sha256 {parent['sha256']})"
+
+
+def body(job: jobs.Job) -> None:
+    staged = job.out(gguf)
+    derive(
+        Path(snakemake.input.gguf),
+        parent,
+        staged,
+        target,
+        snakemake.threads,
+        Path(snakemake.log[0]),
+        snakemake.config["run_timeout_s"],
+    )
+    write_json(
+        job.out(info),
+        records.model_info(gguf.name, sha256_of(staged), staged.stat().st_size, origin),
+    )
+
+
+def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
+    write_json(job.out(info), records.failed_model_info(gguf.name, origin, error))
+
+
+jobs.run(snakemake, body, failed)

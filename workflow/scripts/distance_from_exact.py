@@ -1,0 +1,50 @@
+"""How far each combination of one model is from the exact answer (rule distance_from_exact)."""
+
+from pathlib import Path
+
+from qdiff import jobs, records
+from qdiff.distance import closest, distance
+from qdiff.io import load_array, load_arrays, read_json, write_json
+
+i, output, model = snakemake.input, Path(snakemake.output[0]), snakemake.wildcards.model
+
+
+def body(job: jobs.Job) -> None:
+    exact = read_json(Path(i.exact_record))
+    if exact["status"] != "ok":
+        write_json(
+            job.out(output),
+            {
+                "model": model,
+                "status": exact["status"],
+                "reason": records.failure_text(exact),
+                "rows": [],
+            },
+        )
+        return
+    arrays = load_arrays(Path(i.exact_data))
+    forced = "forced_records" in i.keys()  # noqa: SIM118 - a Namedlist: `in` looks at values
+    rows = []
+    for k, (rec, logits) in enumerate(zip(i.records, i.logits, strict=True)):
+        record = read_json(Path(rec))
+        pass_ = None
+        if forced:
+            forced_record = read_json(Path(i.forced_records[k]))
+            ok = forced_record["status"] == "ok"
+            pass_ = (forced_record, load_arrays(Path(i.forced_data[k])) if ok else {})
+        run_logits = load_array(Path(logits)) if record["status"] == "ok" else None
+        rows.append(distance(arrays, exact["prompt_ids"], record, run_logits, pass_))
+    write_json(
+        job.out(output),
+        {"model": model, "status": "ok", "exact": exact, "closest": closest(rows), "rows": rows},
+    )
+
+
+def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
+    write_json(
+        job.out(output),
+        {"model": model, "status": "failed", "reason": error["message"], "rows": []},
+    )
+
+
+jobs.run(snakemake, body, failed)
