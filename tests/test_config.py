@@ -135,6 +135,11 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
         ),
         (changed(reference="cpu"), "config.reference: 'cpu' is not a configured combination"),
         (
+            changed(reference_model="nope"),
+            "config.reference_model: 'nope' is not a configured model",
+        ),
+        (changed(exact={"enabled": "yes"}), "config.exact.enabled: 'yes' is not of type 'boolean'"),
+        (
             changed(capture={"pairs": [["cpu.none", "gpu.none"]]}),
             "config.capture.pairs[0]: 'gpu.none' is not a configured combination",
         ),

@@ -196,3 +196,69 @@ def test_forks_are_counted_by_site_and_a_site_is_a_tie_only_if_every_pair_says_s
     assert "3 pairs forked 5 times in all, at 2 distinct positions" in found.text
     assert "1 are undetermined" in found.text
     assert "expected to do" not in found.text  # not every site is a tie: no such claim
+
+
+def exact_rows(
+    distances: dict[str, tuple[float, float]], emulated: dict[str, float] | None = None
+) -> dict:
+    """A distance-from-exact result: label -> (first-step max |Δ|, forced median max |Δ|)."""
+    return {
+        "model": "m",
+        "status": "ok",
+        "rows": [
+            {
+                "combination": label,
+                "status": "ok",
+                "first_step": {"max_abs": first},
+                "forced": {"status": "ok", "max_abs_median": forced},
+                **(
+                    {"first_step_vs_cpu_gelu": {"max_abs": emulated[label]}}
+                    if emulated and label in emulated
+                    else {}
+                ),
+            }
+            for label, (first, forced) in distances.items()
+        ],
+    }
+
+
+def test_the_side_closer_to_exact_is_named_and_disagreements_said() -> None:
+    devices = {"cpu": {"backend": "cpu"}, "cpu-fa": {"backend": "cpu", "flash_attn": True}}
+    records, pairs = matrix(devices, ["none", "f32"], {("cpu.none", "cpu-fa.none"): 1.8})
+    exact = exact_rows(
+        {
+            "cpu.none": (1.9, 0.7),
+            "cpu-fa.none": (1.5, 0.8),
+            "cpu.f32": (0.025, 0.007),
+            "cpu-fa.f32": (0.02, 0.008),
+        }
+    )
+    found = {
+        f.text.split(":")[0]: f
+        for f in diagnose(records, pairs, exact)
+        if f.rule == "closer-to-exact"
+    }
+    text = found["`cpu.none` vs `cpu-fa.none`"].text
+    assert "`cpu-fa.none` is 1.27× closer to exact at the first step (max |Δ| 1.5 vs 1.9)" in text
+    assert "along the text it is the other way round: `cpu.none` is closer" in text
+    assert "`cpu.none` vs `cpu-fa.f32`" not in found  # two changes at once: no single question
+
+
+def test_a_more_precise_setting_that_is_not_closer_is_said_plainly() -> None:
+    devices = {"cpu": {"backend": "cpu"}}
+    records, pairs = matrix(devices, ["none", "f32", "f16"], {})
+    exact = exact_rows({"cpu.none": (1.9, 0.7), "cpu.f32": (0.04, 0.01), "cpu.f16": (0.03, 0.01)})
+    (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "more-precise-not-closer"]
+    assert found.text.startswith(
+        "`cpu.f32` (dequant f32) is *not* closer to exact than `cpu.f16` (dequant f16)"
+    )
+
+
+def test_the_float_path_says_how_much_the_gelu_table_explains() -> None:
+    records, pairs = matrix({"cpu": {"backend": "cpu"}}, ["none", "f32"], {})
+    exact = exact_rows(
+        {"cpu.none": (1.9, 0.7), "cpu.f32": (0.025, 0.007)}, emulated={"cpu.f32": 0.004}
+    )
+    (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "float-path"]
+    assert "`cpu.f32` (the same weights as the file, in f32) is 0.025 from exact" in found.text
+    assert "comes to within 0.004 of it: the table explains most of it" in found.text

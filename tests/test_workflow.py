@@ -490,3 +490,34 @@ def test_changing_a_device_other_than_the_teacher_never_reruns_the_exact_referen
     ws.write_config(config)
     counts = by_rule(ws.planned_jobs())
     assert "exact_reference" not in counts and counts["distance_from_exact"] == 2
+
+
+def test_another_model_as_the_reference(
+    workspace: Workspace, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    """The F16 original and its Q8_0 and Q4_0 children: each child's combinations measured
+    against the original's run and its exact answer; more bits, closer."""
+    from qdiff.quant import quantize
+
+    original = tmp_path / "original-f16.gguf"
+    assert quantize(tiny_gguf, original, "f16", 1) == 0
+    config = tiny_config(original, dequant=["none"], reference="cpu.none", reference_model="orig")
+    config["models"] = {"orig": {"path": str(original), "requantize": ["q8_0", "q4_0"]}}
+    config["capture"] = {"enabled": False}
+    workspace.write_config(config)
+    workspace.snakemake()
+    rows = {}
+    for child in ("orig.requant-q8_0", "orig.requant-q4_0"):
+        result = json.loads((workspace.root / f"results/reference/{child}.json").read_text())
+        assert result["reference"] == "cpu.none" and result["has_exact"]
+        rows[child] = {r["combination"]: r for r in result["rows"]}
+        assert all(r["status"] == "ok" and r["n_prompts"] == 2 for r in rows[child].values())
+    q8, q4 = rows["orig.requant-q8_0"]["cpu.none"], rows["orig.requant-q4_0"]["cpu.none"]
+    assert q8["kl_mean"] < q4["kl_mean"] and q8["vs_exact"]["max_abs"] < q4["vs_exact"]["max_abs"]
+    assert not (workspace.root / "results/reference/orig.json").exists()
+    text = (workspace.root / "results/summary.md").read_text()
+    assert "This is the reference model" in text
+    assert (
+        "against `orig`'s `cpu.none` run" in text
+        and "against the exact answer of `orig`'s weights" in text
+    )

@@ -95,6 +95,7 @@ class Experiment:
     capture: dict[str, Any] | None = None  # {"enabled", "prompts", "tensors", "pairs"}
     download: dict[str, Any] | None = None  # {"stall_window_s", "stall_min_bytes"}
     exact: dict[str, Any] | None = None  # {"enabled"}
+    reference_model: str | None = None  # a model every other model is measured against
 
     # ---- the matrix ----
 
@@ -110,6 +111,10 @@ class Experiment:
 
     def all_pairs(self) -> list[Pair]:
         return [p for model in self.models for p in self.pairs(model)]
+
+    def measured_against_reference_model(self) -> list[str]:
+        """The models measured against ``reference_model``: every other one."""
+        return [m for m in self.models if self.reference_model and m != self.reference_model]
 
     def teacher(self, model: str) -> Combination:
         """The combination whose greedy output every other is forced along (qdiff.forcing):
@@ -447,6 +452,16 @@ def validate(
     prompts = _prompts(data["prompts"], Path(base_dir), problems)
     reference = _reference(data, devices, problems)
     _check_capture(data["capture"], devices, data["dequant"], prompts, problems)
+    if data.get("reference_model") is not None:
+        if data["reference_model"] not in models:
+            problems.append(
+                f"config.reference_model: {data['reference_model']!r} is not a configured model "
+                f"(models: {', '.join(models)})"
+            )
+        if reference is None:
+            problems.append(
+                "config.reference_model: needs `reference` (a combination, e.g. cpu.f32)"
+            )
     if problems:
         raise ConfigError(problems)
     experiment = Experiment(
@@ -463,6 +478,7 @@ def validate(
         capture=data["capture"],
         download=data["download"],
         exact=data["exact"],
+        reference_model=data.get("reference_model"),
     )
     return experiment, data
 

@@ -19,6 +19,16 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
   tie, a red flag or undetermined. Forks are counted per pair and, since many pairs fork at
   the same place, by distinct site (prompt, position); a site counts as a near tie only when
   every pair that forks there is one.
+
+With the exact answer of the weights (qdiff.exact, qdiff.distance):
+
+- ``closer-to-exact``: for each pair that differs and asks one question (two devices on one
+  file, or one device on two files), which side is closer to exact and by how much, at the
+  first step and along the text (said when the two disagree);
+- ``more-precise-not-closer``: a pair that differs only in a setting that looks more precise
+  (an f32 copy, an f32 KV cache) whose more precise side is *not* closer to exact;
+- ``float-path``: how far each CPU device's f32 copy is from exact, and how much of that
+  llama.cpp's fp16 GELU table explains (the exact engine with the table applied).
 """
 
 from __future__ import annotations
@@ -254,8 +264,124 @@ def _forks(pairs: list[dict[str, Any]]) -> list[Finding]:
     return findings
 
 
-def diagnose(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> list[Finding]:
-    """All findings for one model, device pair by device pair, in matrix order."""
+# settings whose one side looks more precise than the other: (key, more precise, less precise)
+_MORE_PRECISE = [
+    *(("dequant", "f32", other) for other in ("none", "f16", "bf16")),
+    *(("kv_cache_type", "f32", other) for other in ("f16", "bf16", "q8_0")),
+    ("kv_cache_type", "f16", "q8_0"),
+]
+
+
+def _nearer(a: float, b: float) -> str:
+    return (
+        "the same"
+        if a == b
+        else f"{max(a, b) / min(a, b):.3g}× closer"
+        if min(a, b) > 0
+        else "exact"
+    )
+
+
+def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
+    findings = []
+    for result in m.pairs.values():
+        pair = Pair.from_result(result)
+        a, b = exact.get(pair.a.key), exact.get(pair.b.key)
+        s = result["summary"]
+        if a is None or b is None or s["bit_identical_count"] == s["n_prompts"]:
+            continue
+        if not (pair.same_file or pair.same_device):
+            continue  # two changes at once: no single question to answer
+        da, db = a["first_step"]["max_abs"], b["first_step"]["max_abs"]
+        near, far = (pair.a, pair.b) if da <= db else (pair.b, pair.a)
+        text = (
+            f"`{pair.a.label}` vs `{pair.b.label}`: `{near.label}` is {_nearer(da, db)} to "
+            f"exact at the first step (max |Δ| {_fmt(min(da, db))} vs {_fmt(max(da, db))})"
+        )
+        numbers = {"first_step_a": da, "first_step_b": db}
+        fa, fb = a.get("forced", {}), b.get("forced", {})
+        if fa.get("status") == "ok" and fb.get("status") == "ok":
+            ma, mb = fa["max_abs_median"], fb["max_abs_median"]
+            numbers.update(forced_a=ma, forced_b=mb)
+            if (ma <= mb) == (da <= db):
+                text += f" and along the text (median max |Δ| {_fmt(min(ma, mb))} vs {_fmt(max(ma, mb))})."
+            else:
+                text += (
+                    f"; along the text it is the other way round: `{far.label}` is closer "
+                    f"(median max |Δ| {_fmt(min(ma, mb))} vs {_fmt(max(ma, mb))})."
+                )
+        else:
+            text += "."
+        findings.append(Finding("closer-to-exact", text, numbers))
+    return findings
+
+
+def _more_precise_not_closer(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
+    findings = []
+    for result in m.pairs.values():
+        if len(result["differs"]) != 1:
+            continue
+        pair = Pair.from_result(result)
+        sides = {pair.a.key: m.records.get(pair.a.key), pair.b.key: m.records.get(pair.b.key)}
+        for key, precise, coarse in _MORE_PRECISE:
+            value = {
+                k: (r["dequant"] if key == "dequant" else r["settings"].get(key))
+                for k, r in sides.items()
+                if r is not None
+            }
+            if set(value.values()) != {precise, coarse}:
+                continue
+            hi = next(k for k, v in value.items() if v == precise)
+            lo = next(k for k, v in value.items() if v == coarse)
+            if hi not in exact or lo not in exact:
+                continue
+            d_hi, d_lo = exact[hi]["first_step"]["max_abs"], exact[lo]["first_step"]["max_abs"]
+            if d_hi > d_lo:
+                findings.append(
+                    Finding(
+                        "more-precise-not-closer",
+                        f"`{'.'.join(hi)}` ({key} {precise}) is *not* closer to exact than "
+                        f"`{'.'.join(lo)}` ({key} {coarse}): max |Δ| {_fmt(d_hi)} vs {_fmt(d_lo)} "
+                        "at the first step. A setting that looks more precise is not, here.",
+                        {"precise": d_hi, "coarse": d_lo},
+                    )
+                )
+    return findings
+
+
+def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
+    findings = []
+    for (device, dequant), row in exact.items():
+        if dequant != "f32" or m.backend.get(device) != "cpu":
+            continue
+        d = row["first_step"]["max_abs"]
+        text = (
+            f"`{device}.f32` (the same weights as the file, in f32) is {_fmt(d)} from exact "
+            "(first-step max |Δ|): llama.cpp's float path on this CPU, not the weights."
+        )
+        numbers = {"f32": d}
+        emulated = row.get("first_step_vs_cpu_gelu")
+        if emulated is not None:
+            e = emulated["max_abs"]
+            numbers["with_gelu_table"] = e
+            share = "most" if e <= 0.5 * d else "little"
+            text += (
+                f" With llama.cpp's CPU GELU table (fp16) applied, the exact engine comes to "
+                f"within {_fmt(e)} of it: the table explains {share} of it; the rest is the "
+                f"KV cache ({m.records[(device, dequant)]['settings'].get('kv_cache_type')}) "
+                "and llama.cpp's summation order."
+            )
+        findings.append(Finding("float-path", text, numbers))
+    return findings
+
+
+def diagnose(
+    records: list[dict[str, Any]],
+    pairs: list[dict[str, Any]],
+    exact: dict[str, Any] | None = None,
+) -> list[Finding]:
+    """All findings for one model, device pair by device pair, in matrix order; with the
+    distance from exact (qdiff.distance), the rules that use it."""
     m = Matrix(records, pairs)
     findings = []
     for d1, d2 in combinations(m.devices, 2):
@@ -276,4 +402,14 @@ def diagnose(records: list[dict[str, Any]], pairs: list[dict[str, Any]]) -> list
                 )
             )
         findings += found
-    return findings + _forks(pairs)
+    findings += _forks(pairs)
+    if exact is not None and exact.get("status") == "ok":
+        model = exact["model"]
+        rows = {
+            Combination.parse(model, r["combination"]).key: r
+            for r in exact["rows"]
+            if r["status"] == "ok"
+        }
+        for rule in (_float_path, _closer_to_exact, _more_precise_not_closer):
+            findings += rule(m, rows)
+    return findings

@@ -53,6 +53,9 @@ def distance(
             "top1_agree": int(summary["top1_agree_count"]),
         },
     )
+    if "first_logits_cpu_gelu" in exact:  # exact, but with llama.cpp's CPU GELU table
+        emulated = logit_metrics(exact["first_logits_cpu_gelu"], logits.astype(np.float64))
+        row["first_step_vs_cpu_gelu"] = {"max_abs": float(emulated["max_abs"].max())}
     if forced is not None:
         forced_record, arrays = forced
         if forced_record["status"] != "ok":
@@ -78,3 +81,52 @@ def closest(rows: list[dict[str, Any]]) -> str | None:
     """The combination nearest to exact: the smallest first-step max |Δ|."""
     ok = [r for r in rows if r["status"] == "ok"]
     return min(ok, key=lambda r: r["first_step"]["max_abs"])["combination"] if ok else None
+
+
+def against_reference_model(
+    reference: dict[str, Any],
+    reference_logits: np.ndarray,
+    reference_exact: np.ndarray | None,
+    record: dict[str, Any],
+    logits: np.ndarray | None,
+) -> dict[str, Any]:
+    """One combination of a model against another model's reference run (as
+    llama-perplexity --kl-divergence compares a quantized model with its original: KL, the
+    same top token, RMS Δp) and, when there is one, against that model's exact answer."""
+    row: dict[str, Any] = {"combination": label(record), "dequant": record["dequant"]}
+    if record["status"] != "ok" or logits is None:
+        return {**row, "status": "n/a", "reason": f"{record['status']}: {failure_text(record)}"}
+    if reference["status"] != "ok":
+        return {**row, "status": "n/a", "reason": f"the reference {label(reference)} did not run"}
+    if [p["id"] for p in record["prompts"]] != [p["id"] for p in reference["prompts"]]:
+        return {**row, "status": "n/a", "reason": "other prompts than the reference model's run"}
+    if logits.shape != reference_logits.shape:
+        return {
+            **row,
+            "status": "n/a",
+            "reason": (
+                f"another vocabulary than the reference model ({logits.shape[1]} vs "
+                f"{reference_logits.shape[1]} tokens): not comparable"
+            ),
+        }
+    values = logit_metrics(reference_logits.astype(np.float64), logits.astype(np.float64))
+    kl = values["kl"]
+    row.update(
+        status="ok",
+        n_prompts=len(kl),
+        kl_mean=float(kl.mean()),
+        kl_median=float(np.median(kl)),
+        kl_p99=float(np.percentile(kl, 99)),
+        kl_max=float(kl.max()),
+        same_top=int(values["top1_agree"].sum()),
+        rms_dp=float(np.sqrt(np.mean(values["dp_top"] ** 2))),
+        max_abs=float(values["max_abs"].max()),
+    )
+    if reference_exact is not None:
+        exact = logit_metrics(reference_exact, logits.astype(np.float64))
+        row["vs_exact"] = {
+            "max_abs": float(exact["max_abs"].max()),
+            "kl_mean": float(exact["kl"].mean()),
+            "same_top": int(exact["top1_agree"].sum()),
+        }
+    return row

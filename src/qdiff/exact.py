@@ -305,7 +305,10 @@ def reference(
     """The exact logits along the teacher's text: full-vocabulary first-step logits per
     prompt, and at every position the forced passes keep (the teacher's ``teacher_slices``
     token ids, or the exact top-``top_k`` without them) the same summaries as a forced pass
-    (qdiff.forcing), in float64. The prompts' tokens are llama.cpp's, from the teacher's run."""
+    (qdiff.forcing), in float64. The prompts' tokens are llama.cpp's, from the teacher's run.
+
+    For a GELU architecture also the first step with llama.cpp's CPU GELU table
+    (``first_logits_cpu_gelu``): how much of a CPU f32 run's distance the table explains."""
     import resource
     import time
 
@@ -318,6 +321,8 @@ def reference(
     k = teacher_slices.shape[-1] if teacher_slices is not None else min(top_k, exact.hp.n_vocab)
     recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64)
     first = np.zeros((len(prompts), exact.hp.n_vocab))
+    gelu = exact.hp.arch.activation == "gelu"
+    first_cpu_gelu = np.zeros_like(first) if gelu else None
     forward_s = 0.0
     for p, prompt in enumerate(prompts):
         tokens, forced = prompt["prompt_tokens"], prompt["tokens"]
@@ -329,6 +334,10 @@ def reference(
         recorder.begin_prompt(p, len(tokens), forced)
         for t in range(len(forced)):
             recorder.add(p, t, logits[t], None if teacher_slices is None else teacher_slices[p, t])
+        if first_cpu_gelu is not None:
+            exact.gelu = gelu_fp16_table
+            first_cpu_gelu[p] = exact.forward(tokens, slice(len(tokens) - 1, len(tokens)))[0]
+            exact.gelu = gelu_tanh
     hp = exact.hp
     record = {
         "architecture": hp.arch.name,
@@ -355,4 +364,7 @@ def reference(
         # Linux reports kilobytes
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    return record, {**recorder.arrays, "first_logits": first}
+    arrays = {**recorder.arrays, "first_logits": first}
+    if first_cpu_gelu is not None:
+        arrays["first_logits_cpu_gelu"] = first_cpu_gelu
+    return record, arrays

@@ -88,6 +88,9 @@ def all_targets(wildcards):
     targets += [pair_file(p) for p in EXPERIMENT.all_pairs()]
     if EXPERIMENT.capture_enabled:
         targets += [localise_file(m) for m in EXPERIMENT.models]
+    targets += [
+        reference_model_file(m) for m in EXPERIMENT.measured_against_reference_model()
+    ]
     if EXPERIMENT.exact_enabled:
         for model in EXPERIMENT.models:
             targets += [
@@ -293,6 +296,26 @@ def distance_inputs(wildcards):
     return inputs
 
 
+def reference_model_file(model):
+    return f"results/reference/{model}.json"
+
+
+def reference_model_inputs(wildcards):
+    """The reference model's reference run (and exact answer), and this model's runs."""
+    reference = Combination.parse(EXPERIMENT.reference_model, EXPERIMENT.reference)
+    combos = EXPERIMENT.combinations(wildcards.model)
+    inputs = {
+        "reference_record": RUN.record(reference),
+        "reference_logits": ancient(RUN.data(reference)),
+        "records": [RUN.record(c) for c in combos],
+        "logits": [ancient(RUN.data(c)) for c in combos],
+    }
+    if EXPERIMENT.exact_enabled:
+        inputs["exact_record"] = f"{exact_dir(reference.model)}/record.json"
+        inputs["exact_data"] = ancient(f"{exact_dir(reference.model)}/exact.npz")
+    return inputs
+
+
 def stage_files(stage, kind):
     """The records (or data files) of one stage for every combination, for the report."""
     if not EXPERIMENT.stage_enabled(stage):
@@ -318,4 +341,8 @@ def report_inputs(wildcards):
             if EXPERIMENT.exact_enabled
             else []
         ),
+        "reference_model": [
+            reference_model_file(m)
+            for m in EXPERIMENT.measured_against_reference_model()
+        ],
     }

@@ -40,3 +40,21 @@ rule distance_from_exact:
         format=RECORD_FORMAT,
     script:
         "../scripts/distance_from_exact.py"
+
+
+# Another model as the reference (config.reference_model): every combination of the other
+# models against its reference run (llama-perplexity's KL-divergence view) and its exact answer.
+rule distance_from_reference_model:
+    input:
+        unpack(reference_model_inputs),
+    output:
+        "results/reference/{model}.json",
+    log:
+        "results/logs/reference/{model}.log",
+    conda:
+        "../../envs/qdiff.yaml"
+    params:
+        reference=EXPERIMENT.reference_model,
+        format=RECORD_FORMAT,
+    script:
+        "../scripts/distance_from_reference_model.py"

@@ -20,6 +20,7 @@ def body(job: jobs.Job) -> None:
         localised=[read_json(Path(p)) for p in snakemake.input.localised] or None,
         # None when the exact reference is off (config.exact.enabled)
         exact=[read_json(Path(p)) for p in snakemake.input.exact] or None,
+        against_reference_model=[read_json(Path(p)) for p in snakemake.input.reference_model],
         summary_path=job.out(out.summary),
         pairs_tsv=job.out(out.pairs),
         runs_tsv=job.out(out.runs),

@@ -42,6 +42,7 @@ MODEL_SECTIONS: list[tuple[str, Callable[[ModelView], str]]] = [
     ("Where the pairs part: op by op", localised.localised),
     ("Distance from the exact answer", distance.exact_distance),
     ("Distance from the reference", pairs.reference_distance),
+    ("Distance from the reference model", distance.reference_model_distance),
     ("Tolerances for tests", pairs.tolerance_table),
     ("Plots", plots.overview_plots),
     ("Generated text", runs.texts),
@@ -113,6 +114,7 @@ def write_report(
     forced: list[dict[str, Any]] | None = None,
     localised: list[dict[str, Any]] | None = None,
     exact: list[dict[str, Any]] | None = None,
+    against_reference_model: list[dict[str, Any]] | None = None,
     plot_href: str | None = None,
 ) -> None:
     """Write the summary, the tables and the plots (into ``plot_dir``, linked from the
@@ -126,6 +128,7 @@ def write_report(
         forced or [],
         localised,
         exact,
+        against_reference_model or [],
         reference,
         logits or {},
         plot_dir,

@@ -18,6 +18,8 @@ class ModelView:
     forced: list[dict[str, Any]] = field(default_factory=list)  # forced-pass records
     localised: dict[str, Any] | None = None  # None: capture is off
     exact: dict[str, Any] | None = None  # distance from exact (qdiff.distance); None: off
+    reference_model: dict[str, Any] | None = None  # against config.reference_model
+    is_reference_model: bool = False
     reference: str | None = None  # label of the reference combination
     logits: dict[Combination, Path] = field(default_factory=dict)
     plot_dir: Path | None = None  # where plots are written; None: no plots are drawn
@@ -58,6 +60,7 @@ def split_by_model(
     forced: list[dict[str, Any]],
     localised: list[dict[str, Any]] | None,
     exact: list[dict[str, Any]] | None,
+    against: list[dict[str, Any]],
     reference: str | None,
     logits: dict[Combination, Path],
     plot_dir: Path | None,
@@ -66,6 +69,8 @@ def split_by_model(
     models = list(dict.fromkeys(r["model"] for r in records))
     by_model = {x["model"]: x for x in localised} if localised is not None else None
     exact_by_model = {x["model"]: x for x in exact} if exact is not None else None
+    against_by_model = {x["model"]: x for x in against}
+    reference_models = {x["reference_model"] for x in against}
     return [
         ModelView(
             model=m,
@@ -74,6 +79,8 @@ def split_by_model(
             forced=[r for r in forced if r["model"] == m],
             localised=(by_model.get(m) if by_model is not None else None),
             exact=(exact_by_model.get(m) if exact_by_model is not None else None),
+            reference_model=against_by_model.get(m),
+            is_reference_model=m in reference_models,
             reference=reference,
             logits={c: p for c, p in logits.items() if c.model == m},
             plot_dir=plot_dir,

@@ -7,7 +7,7 @@ from qdiff.report.view import ModelView
 
 
 def diagnosis(view: ModelView) -> str:
-    findings = diagnose(view.records, view.pairs)
+    findings = diagnose(view.records, view.pairs, view.exact)
     if not findings:
         return "_Nothing to diagnose: fewer than two devices ran this model._"
     legend = (

@@ -68,3 +68,56 @@ def exact_distance(view: ModelView) -> str:
         f"{exact['peak_rss_mib']:.0f} MiB."
     )
     return head + "\n\n" + table(rows)
+
+
+def reference_model_distance(view: ModelView) -> str:
+    d = view.reference_model
+    if d is None:
+        if view.is_reference_model:
+            return "_This is the reference model: the other models are measured against it._"
+        return "_No reference model (`reference_model:` in the config)._"
+    if d["status"] != "ok":
+        return f"_Not measured: {cell(d.get('reason', d['status']))}._"
+    ok = sorted((r for r in d["rows"] if r["status"] == "ok"), key=lambda r: r["kl_mean"])
+    rows = []
+    for r in ok + [r for r in d["rows"] if r["status"] != "ok"]:
+        if r["status"] != "ok":
+            rows.append(
+                {"combination": code(r["combination"]), "KL mean": f"n/a: {cell(r['reason'])}"}
+            )
+            continue
+        exact = r.get("vs_exact")
+        rows.append(
+            {
+                "combination": code(r["combination"]),
+                "KL mean": num(r["kl_mean"]),
+                "KL median": num(r["kl_median"]),
+                "KL p99": num(r["kl_p99"]),
+                "KL max": num(r["kl_max"]),
+                "same top token": count(r["same_top"], r["n_prompts"]),
+                "RMS Δp": num(r["rms_dp"]),
+                "max \\|Δ\\|": num(r["max_abs"]),
+                **(
+                    {
+                        "vs its exact: max \\|Δ\\|": num(exact["max_abs"]),
+                        "KL": num(exact["kl_mean"]),
+                        "same top": count(exact["same_top"], r["n_prompts"]),
+                    }
+                    if exact
+                    else {}
+                ),
+            }
+        )
+    return (
+        f"Every combination of this model against `{d['reference_model']}`'s `{d['reference']}` "
+        "run, over the full vocabulary at the first step, as llama-perplexity --kl-divergence "
+        "reports a quantized model against its original: KL(reference ‖ combination), the same "
+        "top token, RMS Δp of the reference's top token"
+        + (
+            f"; and against the exact answer of `{d['reference_model']}`'s weights"
+            if d["has_exact"]
+            else ""
+        )
+        + ". Smallest KL first.\n\n"
+        + table(rows)
+    )
