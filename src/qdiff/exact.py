@@ -203,6 +203,11 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table.astype(np.float64)))
 
 
+def _f16(x: np.ndarray) -> np.ndarray:
+    """Rounded to fp16 (round to nearest even, as ggml's conversions) and back."""
+    return np.asarray(x, dtype=np.float16).astype(np.float64)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -228,11 +233,17 @@ def rope(
 class ExactModel:
     """One GGUF, evaluated exactly (see the module's docstring)."""
 
-    def __init__(self, path: Path, cpu_gelu_table: bool = False) -> None:
-        """``cpu_gelu_table``: evaluate GELU as llama.cpp's CPU backend does (not exact)."""
+    def __init__(self, path: Path, cpu_gelu_table: bool = False, cpu_f16_kv: bool = False) -> None:
+        """Two of llama.cpp's CPU roundings, to measure how much of a CPU run's distance
+        from exact each explains (not exact):
+        - ``cpu_gelu_table``: GELU read from llama.cpp's fp16 table;
+        - ``cpu_f16_kv``: attention as the CPU computes it with an f16 KV cache and no flash
+          attention: K and V stored in f16, Q rounded to f16 for the K product, the softmax
+          weights rounded to f16 for the V product (ggml's f16 dot products)."""
         self.weights = Weights(path)
         self.hp = read_hparams(self.weights.reader)
         self.gelu = gelu_fp16_table if cpu_gelu_table else gelu_tanh
+        self.f16_kv = cpu_f16_kv
         self.output_name = (
             "output.weight" if "output.weight" in self.weights else "token_embd.weight"
         )
@@ -249,7 +260,11 @@ class ExactModel:
         base, scale = hp.rope(layer)
         q = rope(q, positions, hp.n_rot, base, scale, hp.arch.neox_rope)
         k = rope(k, positions, hp.n_rot, base, scale, hp.arch.neox_rope)
-        q = q / math.sqrt(d)  # Gemma scales Q; llama the scores: the same product
+        scale = 1.0 / math.sqrt(d)
+        if hp.arch.query_scale:  # Gemma scales Q, llama the scores: the same in float64
+            q = q * scale
+        if self.f16_kv:
+            q, k, v = (_f16(t) for t in (q, k, v))
         distance = positions[:, None] - positions[None, :]
         masked = distance < 0
         if hp.swa_layers[layer]:
@@ -258,10 +273,14 @@ class ExactModel:
         out = np.empty((n, hp.n_head, d))
         for h in range(hp.n_head):
             scores = q[:, h] @ k[:, h // group].T
+            if not hp.arch.query_scale:
+                scores = scores * scale
             scores[masked] = -np.inf
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
+            if self.f16_kv:
+                probs = _f16(probs)
             out[:, h] = probs @ v[:, h // group]
         y = out.reshape(n, hp.n_head * d) @ w[p + "attn_output.weight"].T
         if p + "attn_output.bias" in w:
@@ -307,8 +326,10 @@ def reference(
     token ids, or the exact top-``top_k`` without them) the same summaries as a forced pass
     (qdiff.forcing), in float64. The prompts' tokens are llama.cpp's, from the teacher's run.
 
-    For a GELU architecture also the first step with llama.cpp's CPU GELU table
-    (``first_logits_cpu_gelu``): how much of a CPU f32 run's distance the table explains."""
+    Also the first step with two of llama.cpp's CPU roundings applied
+    (``first_logits_cpu_roundings``): the fp16 GELU table where the model uses GELU, and the
+    f16 KV cache as the CPU's attention without flash attention uses it. How much of a CPU
+    f32 run's distance from exact they explain is then measured, not assumed."""
     import resource
     import time
 
@@ -321,8 +342,7 @@ def reference(
     k = teacher_slices.shape[-1] if teacher_slices is not None else min(top_k, exact.hp.n_vocab)
     recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64)
     first = np.zeros((len(prompts), exact.hp.n_vocab))
-    gelu = exact.hp.arch.activation == "gelu"
-    first_cpu_gelu = np.zeros_like(first) if gelu else None
+    first_cpu = np.zeros_like(first)
     forward_s = 0.0
     for p, prompt in enumerate(prompts):
         tokens, forced = prompt["prompt_tokens"], prompt["tokens"]
@@ -334,10 +354,9 @@ def reference(
         recorder.begin_prompt(p, len(tokens), forced)
         for t in range(len(forced)):
             recorder.add(p, t, logits[t], None if teacher_slices is None else teacher_slices[p, t])
-        if first_cpu_gelu is not None:
-            exact.gelu = gelu_fp16_table
-            first_cpu_gelu[p] = exact.forward(tokens, slice(len(tokens) - 1, len(tokens)))[0]
-            exact.gelu = gelu_tanh
+        exact.gelu, exact.f16_kv = gelu_fp16_table, True
+        first_cpu[p] = exact.forward(tokens, slice(len(tokens) - 1, len(tokens)))[0]
+        exact.gelu, exact.f16_kv = gelu_tanh, False
     hp = exact.hp
     record = {
         "architecture": hp.arch.name,
@@ -364,7 +383,8 @@ def reference(
         # Linux reports kilobytes
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    arrays = {**recorder.arrays, "first_logits": first}
-    if first_cpu_gelu is not None:
-        arrays["first_logits_cpu_gelu"] = first_cpu_gelu
-    return record, arrays
+    return record, {
+        **recorder.arrays,
+        "first_logits": first,
+        "first_logits_cpu_roundings": first_cpu,
+    }

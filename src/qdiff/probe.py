@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import asdict
 from typing import Any
 
 from qdiff.config import ConfigError, Experiment
@@ -62,7 +61,7 @@ def main() -> int:
     from qdiff.engine.devices import backend_devices
 
     engine.init_backend()
-    print(json.dumps([asdict(d) for d in backend_devices()]))
+    print(json.dumps([d.as_record() for d in backend_devices()]))
     return 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
@@ -60,8 +59,8 @@ def run_provenance(
     record = {
         **machine(),
         "system_info": system_info,
-        "backend_devices": [asdict(d) for d in all_devices],
-        "used_devices": [asdict(d) for d in used_devices],
+        "backend_devices": [d.as_record() for d in all_devices],
+        "used_devices": [d.as_record() for d in used_devices],
         "model_file": {
             **spec["model_info"],
             "description": description,

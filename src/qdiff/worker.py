@@ -59,9 +59,22 @@ def _load(spec: dict[str, Any], log: LlamaLog) -> tuple[LoadedModel, dict[str, A
             f"(backend devices found: {found}); see README 'GPU backends'",
             EXIT_UNAVAILABLE,
         )
+    if settings.main_gpu >= len(usable):
+        raise WorkerFailure(
+            "unavailable",
+            f"main_gpu {settings.main_gpu}: this machine has {len(usable)} {settings.backend} "
+            f"device(s) ({', '.join(d.name for d in usable)})",
+            EXIT_UNAVAILABLE,
+        )
+    chosen = usable[settings.main_gpu]  # the device this run uses, and proves it used
     model_path = Path(spec["model_path"])
     try:
-        loaded = LoadedModel(model_path, settings, spec["generation"]["n_ctx"])
+        loaded = LoadedModel(
+            model_path,
+            settings,
+            spec["generation"]["n_ctx"],
+            chosen.handle if settings.on_gpu else None,
+        )
     except ModelLoadError:
         raise WorkerFailure(
             "model",
@@ -77,11 +90,11 @@ def _load(spec: dict[str, Any], log: LlamaLog) -> tuple[LoadedModel, dict[str, A
             "settings in the config.",
         ) from None
     placement = parse_placement(log.text)
-    if problem := placement_problem(settings.backend, placement, [d.name for d in usable]):
+    if problem := placement_problem(settings.backend, placement, [chosen.name]):
         loaded.close()
         raise WorkerFailure("misplaced", problem, EXIT_MISPLACED)
     prov = provenance.run_provenance(
-        spec, loaded.describe(), system_info(), placement, usable, devices
+        spec, loaded.describe(), system_info(), placement, [chosen], devices
     )
     return loaded, prov
 

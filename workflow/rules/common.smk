@@ -87,12 +87,12 @@ def all_targets(wildcards):
             targets += [stage.record(combo), stage.data(combo)]
     targets += [pair_file(p) for p in EXPERIMENT.all_pairs()]
     if EXPERIMENT.capture_enabled:
-        targets += [localise_file(m) for m in EXPERIMENT.models]
+        targets += [localise_file(m) for m in EXPERIMENT.run_models]
     targets += [
         reference_model_file(m) for m in EXPERIMENT.measured_against_reference_model()
     ]
     if EXPERIMENT.exact_enabled:
-        for model in EXPERIMENT.models:
+        for model in EXPERIMENT.run_models:
             targets += [
                 f"{exact_dir(model)}/{name}"
                 for name in ("record.json", "exact.npz", "distance.json")
@@ -332,12 +332,12 @@ def report_inputs(wildcards):
         "forced": stage_files(FORCED, "record"),
         "pairs": [pair_file(p) for p in EXPERIMENT.all_pairs()],
         "localised": (
-            [localise_file(m) for m in EXPERIMENT.models]
+            [localise_file(m) for m in EXPERIMENT.run_models]
             if EXPERIMENT.capture_enabled
             else []
         ),
         "exact": (
-            [f"{exact_dir(m)}/distance.json" for m in EXPERIMENT.models]
+            [f"{exact_dir(m)}/distance.json" for m in EXPERIMENT.run_models]
             if EXPERIMENT.exact_enabled
             else []
         ),

@@ -15,5 +15,6 @@ rule report:
         "../../envs/qdiff.yaml"
     params:
         reference=EXPERIMENT.reference,
+        writeup_claims=EXPERIMENT.report["writeup_claims"],
     script:
         "../scripts/render_report.py"

@@ -26,6 +26,7 @@ def body(job: jobs.Job) -> None:
         runs_tsv=job.out(out.runs),
         plot_dir=job.out(out.plots),
         plot_href=Path(out.plots).name,
+        writeup_claims=snakemake.params.writeup_claims,
         reference=snakemake.params.reference,
         logits={
             Combination.from_record(r): Path(p)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 
@@ -19,6 +20,15 @@ class BackendDevice:
     description: str  # "NVIDIA H200", the CPU's model name, ...
     kind: str  # cpu | gpu | igpu | accel | meta
     registry: str  # "CPU", "CUDA", "Metal", "Vulkan", "BLAS", ...
+    handle: int = field(default=0, repr=False, compare=False)  # ggml_backend_dev_t
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "kind": self.kind,
+            "registry": self.registry,
+        }
 
 
 def shared_library(stem: str) -> ctypes.CDLL:
@@ -60,6 +70,7 @@ def backend_devices() -> list[BackendDevice]:
                 description=lib.ggml_backend_dev_description(dev).decode(),
                 kind=_DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "unknown"),
                 registry=lib.ggml_backend_reg_name(reg).decode(),
+                handle=dev,
             )
         )
     return devices

@@ -30,14 +30,26 @@ class ContextError(RuntimeError):
     """llama.cpp loaded the model but refused a context with the device's settings."""
 
 
-def _model_params(device: DeviceSettings) -> llama_cpp.llama_model_params:
+def _model_params(
+    device: DeviceSettings, gpu: int | None
+) -> tuple[llama_cpp.llama_model_params, Any]:
+    """The model's parameters, and the device list they point to (keep it alive while the
+    model loads). A GPU run names its one device (``gpu``, a ggml_backend_dev_t): left to
+    itself, llama.cpp skips a second backend's device of the same GPU (Vulkan0 beside
+    CUDA0), and ``main_gpu`` would index every backend's GPUs together."""
     params = llama_cpp.llama_model_default_params()
+    chosen = None
+    if device.on_gpu:
+        if not gpu:
+            raise ValueError("a GPU run needs its device")
+        chosen = (ctypes.c_void_p * 2)(gpu, None)  # NULL-terminated
+        params.devices = ctypes.cast(chosen, ctypes.c_void_p)
     params.n_gpu_layers = ALL_LAYERS if device.on_gpu else 0
     # one device only: a split across GPUs would be another numerics variable
     params.split_mode = llama_cpp.LLAMA_SPLIT_MODE_NONE
-    params.main_gpu = device.main_gpu
+    params.main_gpu = 0  # the first (only) device of the list above
     params.use_extra_bufts = device.extra_bufts
-    return params
+    return params, chosen
 
 
 def _context_params(
@@ -82,13 +94,15 @@ class Generation:
 class LoadedModel:
     """One model and one context, loaded with a device's settings."""
 
-    def __init__(self, path: Path, device: DeviceSettings, n_ctx: int) -> None:
+    def __init__(
+        self, path: Path, device: DeviceSettings, n_ctx: int, gpu: int | None = None
+    ) -> None:
+        """``gpu``: the ggml device (handle) a GPU device's run uses."""
         self.device = device
         self.n_ctx = n_ctx
         start = time.perf_counter()
-        self._model = llama_cpp.llama_model_load_from_file(
-            str(path).encode(), _model_params(device)
-        )
+        params, _devices = _model_params(device, gpu)
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise ModelLoadError(
                 f"llama.cpp could not load {path}: see the llama.cpp log above for the reason"

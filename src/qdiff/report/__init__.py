@@ -79,7 +79,9 @@ def render_model(view: ModelView) -> list[str]:
     return out
 
 
-def render(views: list[ModelView], records: list[dict[str, Any]]) -> str:
+def render(
+    views: list[ModelView], records: list[dict[str, Any]], writeup_claims: bool = False
+) -> str:
     status = Counter(r["status"] for r in records)
     n_prompts = max((len(r["prompts"]) for r in records if r["status"] == "ok"), default=0)
     devices = {r["device"] for r in records}
@@ -96,6 +98,8 @@ def render(views: list[ModelView], records: list[dict[str, Any]]) -> str:
         "",
         safely(overview.failures, views),
     ]
+    if writeup_claims:
+        out += ["", "## The candle write-up's claims, checked", "", safely(overview.claims, views)]
     for view in views:
         out += render_model(view)
     out += ["", "## Provenance", "", safely(overview.provenance, records), ""]
@@ -116,6 +120,7 @@ def write_report(
     exact: list[dict[str, Any]] | None = None,
     against_reference_model: list[dict[str, Any]] | None = None,
     plot_href: str | None = None,
+    writeup_claims: bool = False,
 ) -> None:
     """Write the summary, the tables and the plots (into ``plot_dir``, linked from the
     summary as ``plot_href``, by default the folder's own name)."""
@@ -134,7 +139,7 @@ def write_report(
         plot_dir,
         plot_href or plot_dir.name,
     )
-    write_text(summary_path, render(views, records))
+    write_text(summary_path, render(views, records, writeup_claims))
 
 
 def failed_report(summary_path: Path, error: dict[str, Any]) -> None:

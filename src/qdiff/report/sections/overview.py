@@ -106,3 +106,14 @@ def provenance(records: list[dict[str, Any]]) -> str:
             }
         )
     return "\n".join(lines) + "\n\n" + table(rows)
+
+
+def claims(views: list[ModelView]) -> str:
+    """The write-up's claims next to what qdiff measured (qdiff.claims)."""
+    from qdiff import claims as claims_lib
+
+    return (
+        (claims_lib.__doc__ or "").split("\n\n", 1)[1].strip()
+        + "\n\n"
+        + table([{k: cell(v) for k, v in row.items()} for row in claims_lib.check_all(views)])
+    )
