@@ -12,7 +12,8 @@
 #
 #   device.sh build         unpack the packages, start the CUDA + Vulkan build in the background
 #   device.sh run [CONFIG]  assemble the model, wait for the build, show the backends, start
-#                           the workflow (default config/seed.yaml) in the background; collect
+#                           the workflow (default config/seed.yaml) in the background, two
+#                           inference jobs at a time (one on the GPU); collect
 #   device.sh collect [S]   wait up to S seconds (default 570) for the workflow; pack the
 #                           results into $OUT when it has finished
 set -euo pipefail
@@ -61,7 +62,8 @@ run)
     python3 -m qdiff.probe 2>/dev/null # the backends this build can use here: CPU, CUDA0, Vulkan0
     date +%s >/tmp/workflow.start
     setsid nohup bash -c "python3 -m snakemake --configfile '${2:-config/seed.yaml}' --cores 16 \
-        --resources gpu=1 --scheduler greedy >/tmp/snakemake.log 2>&1; echo \$? >/tmp/workflow.status" \
+        --resources gpu=1 --scheduler greedy --set-threads run_combination=8 \
+        force_combination=8 capture_combination=8 >/tmp/snakemake.log 2>&1; echo \$? >/tmp/workflow.status" \
         >/dev/null 2>&1 &
     "$0" collect $((570 - SECONDS)) # what is left of this call's 10 minutes
     ;;
