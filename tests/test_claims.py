@@ -96,3 +96,22 @@ def test_claims_without_a_gpu_are_not_measured_not_failed() -> None:
     v.records = [r for r in v.records if r["device"] == "cpu"]
     rows = check_all([v])
     assert rows[2]["holds"] == "not measured" and rows[0]["holds"] == "yes"
+
+
+def test_a_claim_that_holds_for_one_format_only_is_partly_met() -> None:
+    q8, q4 = as_written("Q8_0", None), as_written("Q4_K_M", 13)
+    q8.exact["rows"][2]["first_step"]["max_abs"] = 0.5  # only Q8_0's GPU run rounds
+    assert check_all([q8, q4])[1]["holds"] == "partly (1 of 2)"
+
+
+def test_the_cpu_that_stands_for_the_writeups_cpu_has_llama_cpps_defaults() -> None:
+    v = as_written("Q8_0", None)
+    for dq, distance in (("none", 0.9), ("f32", 2e-5)):  # an f32 KV cache device, listed first
+        record = {**v.records[0], "device": "cpu-kv32", "dequant": dq}
+        record["settings"] = {**record["settings"], "kv_cache_type": "f32"}
+        v.records.insert(0, record)
+        v.exact["rows"].append(
+            {"combination": f"cpu-kv32.{dq}", "status": "ok", "first_step": {"max_abs": distance}}
+        )
+    measured = check_all([v])[0]["measured with llama.cpp"]
+    assert measured.startswith("Q8_0: the file's CPU run is 0.6 from exact, its f32 copy 0.0001")

@@ -35,12 +35,31 @@ def changed(**edits) -> dict:
 def test_shipped_config_is_valid_and_expands() -> None:
     config = yaml.safe_load((REPO / "config/config.yaml").read_text())
     exp = load_experiment(config, base_dir=REPO)
-    assert list(exp.models) == ["gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.requant-q8_0"]
-    assert exp.models["gemma-3-270m-q4_k_m.requant-q8_0"].parent == "gemma-3-270m-q4_k_m"
-    assert exp.dequant == ("none", "f32", "f16")
-    assert len(exp.all_combinations()) == 2 * 2 * 3
-    assert len(exp.pairs("gemma-3-270m-q4_k_m")) == 15
+    smol = "smollm2-135m-instruct"
+    assert list(exp.models) == [
+        "gemma-3-270m-q4_k_m",
+        smol,
+        f"{smol}.requant-q8_0",
+        f"{smol}.requant-q4_k_m",
+    ]
+    assert exp.run_models == [
+        "gemma-3-270m-q4_k_m",
+        f"{smol}.requant-q8_0",
+        f"{smol}.requant-q4_k_m",
+    ]
+    assert exp.models[f"{smol}.requant-q8_0"].parent == smol
+    assert exp.dequant == ("none", "f32")
+    assert len(exp.all_combinations()) == 3 * 2 * 2  # the source file itself does not run
+    assert len(exp.pairs("gemma-3-270m-q4_k_m")) == 6
     assert len(exp.prompts) >= 8 and exp.generation["n_tokens"] == 20
+
+
+def test_the_writeup_config_is_valid_and_expands() -> None:
+    config = yaml.safe_load((REPO / "config/seed.yaml").read_text())
+    exp = load_experiment({**config, "strict_devices": False}, base_dir=REPO)
+    assert len(exp.all_combinations()) == 2 * 9 * 2
+    assert {d.backend for d in exp.devices.values()} == {"cpu", "cuda", "vulkan"}
+    assert exp.prompts[0].text == "What is Rust?"
 
 
 def test_defaults_are_filled_in() -> None:

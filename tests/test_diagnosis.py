@@ -263,7 +263,7 @@ def test_a_more_precise_setting_that_is_not_closer_is_said_plainly() -> None:
     exact = exact_rows({"cpu.none": (1.9, 0.7), "cpu.f32": (0.04, 0.01), "cpu.f16": (0.03, 0.01)})
     (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "more-precise-not-closer"]
     assert found.text.startswith(
-        "`cpu.f32` (dequant f32) is *not* closer to exact than `cpu.f16` (dequant f16)"
+        "`cpu.f32` (dequant f32) is further from exact than `cpu.f16` (dequant f16)"
     )
 
 
@@ -276,4 +276,49 @@ def test_the_float_path_says_how_much_llama_cpps_cpu_roundings_explain() -> None
     )
     (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "float-path"]
     assert "`cpu.f32` (the same weights as the file, in f32) is 0.025 from exact" in found.text
-    assert "comes to within 0.004 of it: they explain most of it" in found.text
+    assert "to within 0.004 of it: the emulation reproduces most of it." in found.text
+
+
+def test_the_float_path_measures_the_kv_caches_share_with_an_f32_kv_device() -> None:
+    devices = {
+        "cpu": {"backend": "cpu", "kv_cache_type": "f16"},
+        "cpu-kv32": {"backend": "cpu", "kv_cache_type": "f32"},
+    }
+    records, pairs = matrix(devices, ["none", "f32"], {})
+    exact = exact_rows(
+        {"cpu.f32": (0.015, 0.008), "cpu-kv32.f32": (2.4e-05, 1e-05)}, emulated={"cpu.f32": 0.012}
+    )
+    found = {
+        f.text.split(" ")[0]: f for f in diagnose(records, pairs, exact) if f.rule == "float-path"
+    }
+    text = found["`cpu.f32`"].text
+    assert "With the KV cache in f32 (`cpu-kv32.f32`, measured) it is 2.4e-05" in text
+    assert "the f16 KV cache accounts for 99.8% of that distance" in text
+    assert "the emulation reproduces little of it, so llama.cpp rounds somewhere" in text
+    assert "accounts for" not in found["`cpu-kv32.f32`"].text  # it is the f32 KV device
+
+
+def test_exact_distances_name_the_side_whose_quantized_kernels_round() -> None:
+    devices = {"cpu": {"backend": "cpu"}, "vulkan": {"backend": "vulkan"}}
+    records, pairs = matrix(
+        devices,
+        ["none", "f32"],
+        {("cpu.none", "vulkan.none"): 1.28, ("cpu.f32", "vulkan.f32"): 0.015},
+    )
+    exact = exact_rows(
+        {
+            "cpu.none": (1.28, 0.5),
+            "cpu.f32": (0.015, 0.008),
+            "vulkan.none": (0.0107, 0.006),
+            "vulkan.f32": (0.0124, 0.006),
+        }
+    )
+    (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "activation-quantization"]
+    assert (
+        "the quantized-weight kernels of `cpu`: `cpu`'s file run is 1.28 from exact" in found.text
+    )
+    assert (
+        "`vulkan`'s file run is about as near exact as its f32 copy (0.0107 vs 0.0124)"
+        in found.text
+    )
+    assert "vulkan: " not in found.text  # no activation format claimed for the side that keeps them

@@ -433,6 +433,44 @@ def test_capture_finds_the_token_axis_when_the_prompt_is_as_long_as_the_head_cou
     )
 
 
+def test_a_device_that_computes_the_prompt_one_token_at_a_time_is_localised(
+    workspace: Workspace, tiny_gguf: Path
+) -> None:
+    """With n_ubatch 1, llama.cpp runs the prompt as one graph per token. The capture reads
+    the last of them (the last token's), so its tensors match a one-graph capture's and the
+    pair is compared op by op; capturing must leave its logits bit-identical."""
+    config = tiny_config(
+        tiny_gguf,
+        devices={
+            "cpu": {"backend": "cpu", "threads": 1},
+            "cpu-ub1": {"backend": "cpu", "threads": 1, "n_ubatch": 1},
+        },
+        teacher_forcing={"enabled": False},
+        capture={"pairs": [["cpu.none", "cpu-ub1.none"]]},
+    )
+    del config["models"]["tiny"]["requantize"]
+    workspace.write_config(config)
+    workspace.snakemake()
+    rec = json.loads((workspace.root / "results/capture/tiny/cpu-ub1/none/record.json").read_text())
+    (prompt,) = rec["prompts"]
+    assert prompt["n_captured_tokens"] == 1 < prompt["n_prompt_tokens"]
+    assert prompt["logits_identical_with_capture"]
+    kept = {t["kept"] for t in prompt["tensors"]}
+    assert kept == {"last position"}
+    localised = json.loads((workspace.root / "results/localise/tiny.json").read_text())
+    (pair,) = [p for p in localised["pairs"] if (p["a"], p["b"]) == ("cpu.none", "cpu-ub1.none")]
+    (result,) = pair["prompts"]
+    one_graph = json.loads(
+        (workspace.root / "results/capture/tiny/cpu/none/record.json").read_text()
+    )
+    kept_there = [t for t in one_graph["prompts"][0]["tensors"] if t["kept"] == "last position"]
+    assert result["n_tensors"] == len(kept_there) > 20  # every tensor with a token axis
+    assert result["n_with_floor"] == result["n_tensors"]
+    # the same tensor from both graphs: the embedding lookup of the same last token
+    first = result["rows"][0]
+    assert first["identical"] and first["max_abs"] == 0
+
+
 def test_recommended_tolerances_cover_every_compared_value(finished: Workspace) -> None:
     """Each recommended atol is checked against all the data it claims to cover: every
     prompt's first-step max |Δ| and every teacher-forced position's, of every pair it covers."""

@@ -122,9 +122,11 @@ BACKENDS: dict[str, Backend] = {
             registries=frozenset({"Vulkan"}),
             on_gpu=True,
             cmake_args="-DGGML_VULKAN=on",
+            # ggml-vulkan.cpp: ggml_vk_mul_mat_q_f16 (batches), ggml_vk_should_use_mmvq (one token)
             activations=lambda q: (
-                f"{','.join(q)}→q8_1 with integer dot products where the device has them, "
-                "else dequantized to f16/f32"
+                f"{','.join(q)}: batches →q8_1 with integer dot products, or on coopmat2 GPUs "
+                "activations (and f32 weights) rounded to f16; one token: dequantized in the "
+                "shader with f32 activations, or →q8_1 where ggml-vulkan picks MMVQ"
             ),
         ),
     )

@@ -70,6 +70,7 @@ class Matrix:
         self.records: dict[Key, dict[str, Any]] = {Combination.from_record(r).key: r for r in ok}
         self.devices = list(dict.fromkeys(r["device"] for r in ok))
         self.backend = {r["device"]: r["settings"]["backend"] for r in ok}
+        self.exact: dict[Key, dict[str, Any]] = {}  # distance-from-exact rows, when measured
         self.pairs: dict[frozenset[Key], dict[str, Any]] = {}
         for p in pairs:
             if p["status"] == "ok":
@@ -89,6 +90,10 @@ class Matrix:
                 return list(r["provenance"]["model_file"]["weight_types"])
         return []
 
+    def from_exact(self, key: Key) -> float | None:
+        row = self.exact.get(key)
+        return None if row is None else row["first_step"]["max_abs"]
+
     def settings_only(self, d1: str, d2: str) -> list[str] | None:
         """The settings that differ between two devices of one backend, else None."""
         if self.backend[d1] != self.backend[d2]:
@@ -103,17 +108,55 @@ def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
         return None
     ratio = "∞" if f == 0 else f"{q / f:.0f}×"
     types = m.weight_types("none")
-    formats = sorted({BACKENDS[m.backend[d]].activation_formats(types) for d in (d1, d2)})
     same = m.backend[d1] == m.backend[d2]
     what = f"same backend, {'; '.join(m.settings_only(d1, d2) or [])}: " if same else ""
-    return Finding(
-        "activation-quantization",
+    head = (
         f"`{d1}` vs `{d2}` ({what}the quantized file differs {ratio} more than its f32 copies, "
         f"max |Δ| {_fmt(q)} vs {_fmt(f)}). The weights are the same, so the excess comes from "
-        f"the quantized-weight kernels, which round activations ({' | '.join(formats)})"
-        + (": a small change upstream is amplified by that rounding." if same else "."),
-        {"quantized": q, "f32": f},
     )
+    numbers = {"quantized": q, "f32": f}
+    rounds, keeps = _who_rounds(m, (d1, d2))
+    if rounds or keeps:  # the exact answer says which side's quantized kernels round
+        parts = [
+            f"`{d}`'s file run is {_fmt(x)} from exact, its f32 copy {_fmt(y)} "
+            f"({BACKENDS[m.backend[d]].activation_formats(types)})"
+            for d, x, y in rounds
+        ]
+        parts += [
+            f"`{d}`'s file run is about as near exact as its f32 copy ({_fmt(x)} vs {_fmt(y)}): "
+            "its kernels add no comparable rounding here"
+            for d, x, y in keeps
+        ]
+        sides = " and ".join(f"`{d}`" for d, _, _ in rounds) or "neither side"
+        return Finding(
+            "activation-quantization",
+            head + f"the quantized-weight kernels of {sides}: " + "; ".join(parts) + ".",
+            numbers,
+        )
+    formats = sorted({BACKENDS[m.backend[d]].activation_formats(types) for d in (d1, d2)})
+    return Finding(
+        "activation-quantization",
+        head
+        + f"the quantized-weight kernels, which round activations ({' | '.join(formats)})"
+        + (": a small change upstream is amplified by that rounding." if same else "."),
+        numbers,
+    )
+
+
+def _who_rounds(
+    m: Matrix, devices: tuple[str, str]
+) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
+    """Of the devices whose file run and f32 copy were both measured against exact: those
+    whose file run is ``AMPLIFICATION`` times further from exact (their quantized kernels
+    round), and those whose file run is not."""
+    rounds: list[tuple[str, float, float]] = []
+    keeps: list[tuple[str, float, float]] = []
+    for d in devices:
+        x, y = m.from_exact((d, "none")), m.from_exact((d, "f32"))
+        if x is None or y is None:
+            continue
+        (rounds if x >= AMPLIFICATION * y else keeps).append((d, x, y))
+    return rounds, keeps
 
 
 def _float_precision(m: Matrix, d1: str, d2: str) -> Finding | None:
@@ -349,10 +392,11 @@ def _more_precise_not_closer(m: Matrix, exact: dict[Key, dict[str, Any]]) -> lis
                 continue
             d_hi, d_lo = exact[hi]["first_step"]["max_abs"], exact[lo]["first_step"]["max_abs"]
             if d_hi > d_lo:
+                how = "about as far from" if _about_as_far(d_hi, d_lo) else "further from"
                 findings.append(
                     Finding(
                         "more-precise-not-closer",
-                        f"`{'.'.join(hi)}` ({key} {precise}) is *not* closer to exact than "
+                        f"`{'.'.join(hi)}` ({key} {precise}) is {how} exact than "
                         f"`{'.'.join(lo)}` ({key} {coarse}): max |Δ| {_fmt(d_hi)} vs {_fmt(d_lo)} "
                         "at the first step. A setting that looks more precise is not, here.",
                         {"precise": d_hi, "coarse": d_lo},
@@ -374,6 +418,13 @@ def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
             "CPU, not the weights."
         )
         numbers = {"f32": d}
+        f32_kv = _f32_kv_sibling(m, device)
+        if f32_kv is not None and (k := m.from_exact((f32_kv, "f32"))) is not None and k < d:
+            numbers["f32_kv_cache"] = k
+            text += (
+                f" With the KV cache in f32 (`{f32_kv}.f32`, measured) it is {_fmt(k)}: the "
+                f"f16 KV cache accounts for {1 - k / d:.1%} of that distance."
+            )
         emulated = row.get("first_step_vs_cpu_roundings")
         if (
             emulated is not None
@@ -384,13 +435,28 @@ def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
             numbers["with_cpu_roundings"] = e
             share = "most" if e <= 0.5 * d else "little"
             text += (
-                f" With two of llama.cpp's CPU roundings applied (the f16 KV cache, and the "
-                f"fp16 GELU table where the model uses GELU), the exact engine comes to within "
-                f"{_fmt(e)} of it: they explain {share} of it; the rest is float32 arithmetic "
-                "and llama.cpp's order of summation, which qdiff does not emulate."
+                " qdiff's emulation of two of llama.cpp's CPU roundings (K, V, Q and the "
+                "attention weights in f16, as an f16 KV cache without flash attention computes "
+                "them, and the fp16 GELU table where the model uses GELU) brings the exact "
+                f"engine to within {_fmt(e)} of it: the emulation reproduces {share} of it"
+                + (
+                    ", so llama.cpp rounds somewhere the emulation does not follow."
+                    if share == "little"
+                    else "."
+                )
             )
         findings.append(Finding("float-path", text, numbers))
     return findings
+
+
+def _f32_kv_sibling(m: Matrix, device: str) -> str | None:
+    """A device of the same backend whose only difference is an f32 KV cache."""
+    mine = m.records[(device, "f32")]["settings"]
+    for other in m.devices:
+        theirs = m.records.get((other, "f32"), {}).get("settings")
+        if theirs and theirs == {**mine, "kv_cache_type": "f32"} and theirs != mine:
+            return other
+    return None
 
 
 def diagnose(
@@ -401,6 +467,12 @@ def diagnose(
     """All findings for one model, device pair by device pair, in matrix order; with the
     distance from exact (qdiff.distance), the rules that use it."""
     m = Matrix(records, pairs)
+    if exact is not None and exact.get("status") == "ok":
+        m.exact = {
+            Combination.parse(exact["model"], r["combination"]).key: r
+            for r in exact["rows"]
+            if r["status"] == "ok"
+        }
     findings = []
     for d1, d2 in combinations(m.devices, 2):
         found = [
@@ -421,13 +493,7 @@ def diagnose(
             )
         findings += found
     findings += _forks(pairs)
-    if exact is not None and exact.get("status") == "ok":
-        model = exact["model"]
-        rows = {
-            Combination.parse(model, r["combination"]).key: r
-            for r in exact["rows"]
-            if r["status"] == "ok"
-        }
+    if m.exact:
         for rule in (_float_path, _closer_to_exact, _more_precise_not_closer):
-            findings += rule(m, rows)
+            findings += rule(m, m.exact)
     return findings

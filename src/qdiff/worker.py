@@ -228,7 +228,11 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
 
     Per prompt: a plain pass (the logits to check against), a shapes-only pass over one more
     token (so each tensor's token axis comes from the graph, qdiff.engine.capture), and the
-    captured pass. A difference between the plain and captured logits is recorded."""
+    captured pass. A difference between the plain and captured logits is recorded.
+
+    llama.cpp computes a prompt longer than the device's ``n_ubatch`` as several graphs; the
+    one captured is the last, which holds the last token (the earlier ones are decoded with
+    the capture idle, as the same ubatches)."""
     settings = spec["capture"]
     texts = {p["id"]: p["text"] for p in spec["prompts"]}
     capturer = TensorCapture(settings["tensors"])
@@ -240,10 +244,18 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
             tokens = _prompt_tokens(loaded, texts[prompt_id], spec["generation"]["chat_template"])
             plain, plain_s = loaded.prefill(tokens)
             loaded.set_eval_callback(capturer.callback)
-            capturer.probe()
-            loaded.prefill([*tokens, tokens[-1]])
-            capturer.start(len(tokens))
-            observed, captured_s = loaded.prefill(tokens)
+            last = loaded.last_ubatch(len(tokens))
+            prefix, tail = tokens[:-last], tokens[-last:]
+            # the shapes-only pass: one token more, or where the last ubatch is full, one less
+            grows = loaded.last_ubatch(len(tokens) + 1) == last + 1
+            probe = [*tail, tail[-1]] if grows else tail[:-1]
+            if probe:
+                _decode_idle(loaded, capturer, prefix)
+                capturer.probe(len(probe) - last)
+                loaded.extend(probe)
+            _decode_idle(loaded, capturer, prefix)
+            capturer.start(last, probed=bool(probe))
+            observed, captured_s = loaded.extend(tail)
             loaded.set_eval_callback(None)
             if capturer.error is not None:
                 raise capturer.error
@@ -265,6 +277,7 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
                 {
                     "id": prompt_id,
                     "n_prompt_tokens": len(tokens),
+                    "n_captured_tokens": last,  # the last ubatch's (see above)
                     "tensors": tensors,
                     # capturing must not change what it observes
                     "logits_identical_with_capture": bool(np.array_equal(plain, observed)),
@@ -288,6 +301,14 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     }
     save_arrays(out / CAPTURE.data_file, arrays)
     write_json(out / "record.json", record)
+
+
+def _decode_idle(loaded: LoadedModel, capturer: TensorCapture, tokens: list[int]) -> None:
+    """An empty cache, then ``tokens`` decoded with the capture reading nothing."""
+    capturer.idle()
+    loaded.clear()
+    if tokens:
+        loaded.extend(tokens)
 
 
 MODES: dict[str, Callable[[dict[str, Any], Path, LlamaLog], None]] = {

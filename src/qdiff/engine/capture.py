@@ -55,14 +55,17 @@ class CapturedTensor:
     values: np.ndarray
 
 
-def token_axis(ne: list[int], n_tokens: int, probe_ne: list[int] | None) -> int | str | None:
+def token_axis(
+    ne: list[int], n_tokens: int, probe_ne: list[int] | None, delta: int = 1
+) -> int | str | None:
     """The axis of ``ne`` that runs over the batch's tokens, found from the graph: the one
-    axis that is ``n_tokens`` long in the pass and one longer in the probe pass over one
-    more token. ``None``: no token axis; ``"ambiguous"``: the shapes cannot tell (never a
-    guess from a size that happens to equal the token count, e.g. the head count)."""
+    axis that is ``n_tokens`` long in the pass and ``delta`` longer (one more token, or one
+    fewer) in the probe pass. ``None``: no token axis; ``"ambiguous"``: the shapes cannot
+    tell (never a guess from a size that happens to equal the token count, e.g. the head
+    count)."""
     if probe_ne is None:
         return "ambiguous" if n_tokens in ne else None
-    grown = [d for d in range(4) if ne[d] == n_tokens and probe_ne[d] == n_tokens + 1]
+    grown = [d for d in range(4) if ne[d] == n_tokens and probe_ne[d] == n_tokens + delta]
     if len(grown) == 1:
         return grown[0]
     return "ambiguous" if grown else None
@@ -83,17 +86,28 @@ class TensorCapture:
         self.n_tokens = 0
         self.tensors: list[CapturedTensor] = []
         self.error: BaseException | None = None
-        self._probing = False
+        self._mode = "idle"  # "idle": read nothing; "probe": shapes only; "read"
+        self._delta = 1
+        self._probed = True
         self._probe_shapes: dict[Key, list[int]] = {}
         self._seen: Counter[str] = Counter()
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_eval)
 
-    def probe(self) -> None:
-        """The next pass only records shapes (its batch must be one token longer)."""
-        self._probing, self._probe_shapes, self._seen, self.error = True, {}, Counter(), None
+    def idle(self) -> None:
+        """The next passes read nothing (e.g. a prompt's earlier ubatches)."""
+        self._mode = "idle"
 
-    def start(self, n_tokens: int) -> None:
-        self._probing, self.n_tokens, self.tensors, self.error = False, n_tokens, [], None
+    def probe(self, delta: int = 1) -> None:
+        """The next pass only records shapes; its batch is ``delta`` tokens longer than the
+        captured one (1, or -1 where the captured ubatch is already full)."""
+        self._mode, self._delta, self._probe_shapes, self.error = "probe", delta, {}, None
+        self._seen = Counter()
+
+    def start(self, n_tokens: int, probed: bool = True) -> None:
+        """The next pass is read. Without a probe pass (a one-token graph that cannot grow)
+        every tensor is that one token's, so each is kept whole as its last position."""
+        self._mode, self.n_tokens, self.tensors, self.error = "read", n_tokens, [], None
+        self._probed = probed
         self._seen = Counter()
 
     def _wanted(self, t: _GgmlTensor, name: str, address: int) -> bool:
@@ -111,9 +125,11 @@ class TensorCapture:
             name = t.name.decode("utf-8", errors="replace")
             if _UNNAMED.match(name):  # e.g. the flash-attention node: name it by its op
                 name = f"{self.lib.ggml_op_desc(address).decode()} (unnamed)"
+            if self._mode == "idle":
+                return not ask  # asked: nothing wanted; shown: carry on
             if ask:
                 wanted = self._wanted(t, name, address)
-                if wanted and self._probing:
+                if wanted and self._mode == "probe":
                     self._probe_shapes[(name, self._seen[name])] = [int(x) for x in t.ne]
                     self._seen[name] += 1
                     return False  # shapes only: nothing to read
@@ -143,8 +159,10 @@ class TensorCapture:
             values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
             values = raw.view(_FLOAT_TYPES[t.type]).astype(np.float32)
-        axis = token_axis(ne, self.n_tokens, probe_ne)
-        if isinstance(axis, int):
+        axis = token_axis(ne, self.n_tokens, probe_ne, self._delta)
+        if not self._probed and self.n_tokens == 1 and values.size <= KEEP_WHOLE_MAX:
+            kept = "last position"  # a one-token graph: all of it is that token's
+        elif isinstance(axis, int):
             array = values.reshape(ne[::-1])  # numpy order: ne[3] first
             kept, values = "last position", np.take(array, self.n_tokens - 1, axis=3 - axis).ravel()
         elif axis == "ambiguous":

@@ -126,10 +126,26 @@ class LoadedModel:
 
     def prefill(self, prompt_tokens: list[int]) -> tuple[np.ndarray, float]:
         """Decode the prompt from an empty cache: the first-step logits and the seconds."""
+        self.clear()
+        return self.extend(prompt_tokens)
+
+    def clear(self) -> None:
+        """Empty the KV cache."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx), True)
+
+    def extend(self, tokens: list[int]) -> tuple[np.ndarray, float]:
+        """Decode ``tokens`` after what the cache holds: the last logits and the seconds."""
         start = time.perf_counter()
-        self._decode(prompt_tokens)
+        self._decode(tokens)
         return self._last_logits(), time.perf_counter() - start
+
+    def last_ubatch(self, n_tokens: int) -> int:
+        """How many of a prompt's ``n_tokens`` llama.cpp computes in its last graph: the
+        decode splits the prompt into chunks of ``n_batch`` (``_decode``) and llama.cpp each
+        chunk into ubatches of ``n_ubatch``."""
+        n_ubatch = min(self.device.n_ubatch, self.device.n_batch)
+        last_chunk = (n_tokens - 1) % self.device.n_batch + 1
+        return (last_chunk - 1) % n_ubatch + 1
 
     def close(self) -> None:
         if self._ctx:

@@ -29,12 +29,15 @@ def overview_plots(view: ModelView) -> str:
     pair = Pair.from_result(worst)
     k = max(range(len(worst["prompts"])), key=lambda i: worst["prompts"][i]["max_abs"])
     prompt = worst["prompts"][k]["prompt"]
+    head = (
+        f"{view.link(heat, 'pairwise max |Δ|')}\n\n"
+        f"Per-token |Δ| over the vocabulary for the largest pair, `{pair.a.label}` vs "
+        f"`{pair.b.label}`, on prompt `{prompt}`:"
+    )
+    if pair.a not in view.logits or pair.b not in view.logits:  # a report re-rendered from records
+        return f"{head} _not drawn: the runs' logits (`logits.npy`) are not available here._"
     hist = view.plot("largest-pair")
     assert hist is not None
     a, b = load_array(view.logits[pair.a])[k], load_array(view.logits[pair.b])[k]
     plots.delta_histogram(a, b, hist, f"{pair.a.label} vs {pair.b.label}, prompt {prompt}")
-    return (
-        f"{view.link(heat, 'pairwise max |Δ|')}\n\n"
-        f"Per-token |Δ| over the vocabulary for the largest pair, `{pair.a.label}` vs "
-        f"`{pair.b.label}`, on prompt `{prompt}`:\n\n{view.link(hist, 'per-token |Δ|')}"
-    )
+    return f"{head}\n\n{view.link(hist, 'per-token |Δ|')}"
