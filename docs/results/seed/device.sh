@@ -18,9 +18,12 @@
 #                           results into $OUT when it has finished
 set -euo pipefail
 SITE=/tmp/site
+# The workflow runs in a copy of the tree: each `device` call copies the working tree anew,
+# and a file replaced under a running job fails it.
+RUN=/tmp/qdiff-run
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-export PYTHONPATH="$PWD/src:$SITE" PYTHONUNBUFFERED=1
+export PYTHONPATH="$RUN/src:$SITE" PYTHONUNBUFFERED=1
 # the NVIDIA Vulkan driver; without it llama.cpp finds no Vulkan device (and qdiff says so)
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 
@@ -59,15 +62,19 @@ run)
     tail -3 /tmp/build.log
     grep -q BUILD_OK /tmp/build.log
     nvidia-smi --query-gpu=name,driver_version --format=csv
+    rm -rf "$RUN" && mkdir -p "$RUN" && tar cf - --exclude=./.carry . | tar xf - -C "$RUN"
+    cd "$RUN"
     python3 -m qdiff.probe 2>/dev/null # the backends this build can use here: CPU, CUDA0, Vulkan0
     date +%s >/tmp/workflow.start
     setsid nohup bash -c "python3 -m snakemake --configfile '${2:-config/seed.yaml}' --cores 16 \
         --resources gpu=1 --scheduler greedy --set-threads run_combination=8 \
         force_combination=8 capture_combination=8 >/tmp/snakemake.log 2>&1; echo \$? >/tmp/workflow.status" \
         >/dev/null 2>&1 &
+    cd - >/dev/null
     "$0" collect $((570 - SECONDS)) # what is left of this call's 10 minutes
     ;;
 collect)
+    cd "$RUN"
     for _ in $(seq $((${2:-570} / 5))); do [ -f /tmp/workflow.status ] && break; sleep 5; done
     grep -c "^Finished jobid" /tmp/snakemake.log || true
     tail -4 /tmp/snakemake.log
@@ -80,6 +87,7 @@ collect)
         results/plots results/compare results/exact/*/record.json results/exact/*/distance.json \
         results/benchmarks
     tar czf "$OUT/seed-logs.tgz" results/logs
+    python3 -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
     exit "$status"
     ;;
 *)
