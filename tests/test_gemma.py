@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -20,48 +22,69 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     return ws
 
 
+MODELS = (
+    "gemma-3-270m-q4_k_m",
+    "smollm2-135m-instruct.requant-q8_0",
+    "smollm2-135m-instruct.requant-q4_k_m",
+)
+
+
+def _record(root: Path, model: str, device: str, dequant: str) -> dict[str, Any]:
+    path = root / "results/runs" / model / device / dequant / "record.json"
+    return cast(dict[str, Any], json.loads(path.read_text()))
+
+
 def test_default_experiment_report(default_run: Workspace) -> None:
     root = default_run.root
     records = sorted((root / "results/runs").glob("*/*/*/record.json"))
-    assert len(records) == 2 * 2 * 3
+    assert len(records) == len(MODELS) * 2 * 2  # cpu, cpu-fa × none, f32
     for path in records:
         rec = json.loads(path.read_text())
         assert rec["status"] == "ok", rec.get("error")
         assert len(rec["prompts"]) >= 8
         assert all(len(p["tokens"]) >= 1 for p in rec["prompts"])
-    q4 = json.loads((root / "results/runs/gemma-3-270m-q4_k_m/cpu/none/record.json").read_text())
-    assert q4["provenance"]["model_file"]["file_type"] == "Q4_K - Medium"
-    assert q4["provenance"]["model_file"]["sha256"].startswith("a5fd3b62")
-    q8 = json.loads(
-        (root / "results/runs/gemma-3-270m-q4_k_m.requant-q8_0/cpu/none/record.json").read_text()
-    )
-    assert q8["provenance"]["model_file"]["file_type"] == "Q8_0"
-    f32 = json.loads((root / "results/runs/gemma-3-270m-q4_k_m/cpu/f32/record.json").read_text())
-    assert set(f32["provenance"]["model_file"]["weight_types"]) == {"f32"}
+    gemma = _record(root, "gemma-3-270m-q4_k_m", "cpu", "none")["provenance"]["model_file"]
+    assert gemma["file_type"] == "Q4_K - Medium" and gemma["sha256"].startswith("a5fd3b62")
+    # the write-up's two formats, requantized from the Q4_1 file the package ships
+    for model, file_type in zip(MODELS[1:], ("Q8_0", "Q4_K - Medium"), strict=True):
+        made = _record(root, model, "cpu", "none")["provenance"]["model_file"]
+        assert made["file_type"] == file_type
+        assert "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53" in made["origin"]
+        f32 = _record(root, model, "cpu", "f32")["provenance"]["model_file"]
+        assert set(f32["weight_types"]) == {"f32"}
+    assert not (root / "results/runs/smollm2-135m-instruct").exists()  # run: false
     summary = (root / "results/summary.md").read_text()
-    assert "## Model `gemma-3-270m-q4_k_m`" in summary
-    assert "## Model `gemma-3-270m-q4_k_m.requant-q8_0`" in summary
     assert "Every stage of every combination ran." in summary
-    # teacher forcing: the reference reproduces its own path; forks are classified by site
-    assert "chose that output at" in summary
-    assert "every forced first position was bit-identical to the combination's free run" in summary
-    assert "**forks**: along the teacher's text" in summary
-    # capture: the largest pair of two devices on one file, and the configured pair, are
-    # localised against their floor; capturing did not change what it observed
-    for model in ("gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.requant-q8_0"):
+    for model in MODELS:
+        section = summary.split(f"## Model `{model}`")[1].split("\n## Model ")[0]
+        # teacher forcing: the reference reproduces its own path; forks are classified by site
+        assert "chose that output at" in section
+        assert (
+            "every forced first position was bit-identical to the combination's free run" in section
+        )
+        assert "**forks**: along the teacher's text" in section
+        # the exact reference ran, and the f32 copies are closer to it than the quantized files
+        exact = section.split("### Distance from the exact answer")[1].split("\n### ")[0]
+        assert "peak memory" in exact and "★" in exact
+        for device in ("cpu", "cpu-fa"):
+            row = next(line for line in exact.splitlines() if line.startswith(f"| `{device}.f32`"))
+            assert float(row.split("|")[2]) < 0.1
+        # capture: the configured pair is localised against its floor, on one weights file,
+        # and capturing did not change what it observed
         localised = json.loads((root / f"results/localise/{model}.json").read_text())
         pairs = {(p["a"], p["b"]): p for p in localised["pairs"]}
         assert ("cpu.none", "cpu-fa.none") in pairs
         for (a, b), entry in pairs.items():
-            assert a.split(".")[1] == b.split(".")[1]  # the same weights file
+            assert a.split(".")[1] == b.split(".")[1]
             (prompt,) = entry["prompts"]
             assert prompt["first_divergence"] is not None and prompt["capture_changed_logits"] == []
             assert prompt["robustness"]["later_compared"] > 0
-    assert summary.count("Capturing left both combinations' logits bit-identical.") >= 2
-    # the tolerances cover the forced positions, and a flash-attention toggle is no device change
-    tolerances = summary.split("### Tolerances for tests")[1].split("### Plots")[0]
-    assert "same device, other settings (flash_attn off→on)" in tolerances
-    assert "cross-device" not in tolerances and "teacher-forced positions" in tolerances
+        assert "Capturing left both combinations' logits bit-identical." in section
+        # the tolerances cover the forced positions, and a flash-attention toggle is no device
+        # change
+        tolerances = section.split("### Tolerances for tests")[1].split("### Plots")[0]
+        assert "same device, other settings (flash_attn off→on)" in tolerances
+        assert "cross-device" not in tolerances and "teacher-forced positions" in tolerances
 
 
 def test_rerun_plans_nothing(default_run: Workspace) -> None:
