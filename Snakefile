@@ -5,6 +5,9 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
+report: "workflow/report/workflow.rst"
+
+
 # The default experiment, unless the user names their own with --configfile: Snakemake would
 # otherwise merge that file into this one, and a device could never be removed.
 if not workflow.overwrite_configfiles:

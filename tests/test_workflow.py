@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import Workspace, tiny_config
+from conftest import REPO, Workspace, tiny_config
 from tinymodel import write_tiny_llama
 
 pytestmark = pytest.mark.workflow
@@ -71,6 +72,11 @@ def test_provenance_names_versions_buffers_and_kernels(finished: Workspace) -> N
     assert "AVX2" in prov["cpu_kernels"]["features"] or "NEON" in prov["cpu_kernels"]["features"]
     assert prov["model_file"]["weight_types"].get("q8_0", 0) > 0
     assert len(prov["model_file"]["sha256"]) == 64
+    # the licence the file declares, carried to the copy llama_model_quantize made of it
+    assert prov["model_file"]["licence"] == "cc0-1.0 (the file's general.license)"
+    summary = (finished.root / "results/summary.md").read_text()
+    assert "Licence: cc0-1.0 (the file's general.license)." in summary
+    assert "  - `tiny.requant-q8_0`: cc0-1.0 (the file's general.license)" in summary
 
 
 def test_two_cpu_devices_use_different_attention_kernels(finished: Workspace) -> None:
@@ -194,6 +200,43 @@ def test_teacher_forcing_settings_rerun_only_the_forced_passes(
     assert by_rule(ws.planned_jobs()) == Counter(
         compare_pair=12, localise_model=2, report=1, exact_reference=2, distance_from_exact=2
     )
+
+
+def test_the_summary_page_embeds_the_report_and_its_plots(finished: Workspace) -> None:
+    page = (finished.root / "results/summary.html").read_text()
+    text = (finished.root / "results/summary.md").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<h2>What this experiment found</h2>" in page
+    assert page.count("<table>") == text.count("\n|---") + text.count("\n|:--")
+    assert page.count('<img src="data:image/png;base64,') == text.count("](plots/")
+    assert '<img src="plots/' not in page and "\\|" not in page
+    # the findings: one sentence per model, numbers as the tables below print them
+    found = text.split("## What this experiment found")[1].split("\n## ")[0]
+    for model in ("tiny", "tiny.requant-q8_0"):
+        assert f"On `{model}`, " in found
+    assert "red flag" in found
+
+
+def test_snakemake_report_renders_without_rerunning_anything(
+    finished: Workspace, tmp_path: Path
+) -> None:
+    html, archive = tmp_path / "report.html", tmp_path / "report.zip"
+    finished.snakemake("--report", str(html))
+    finished.snakemake("--report", str(archive))
+    page = html.read_text()
+    for category in ("1. Summary", "2. Tables", "3. Plots", "tiny.requant-q8_0"):
+        assert category in page
+    with zipfile.ZipFile(archive) as z:
+        names = {Path(n).name for n in z.namelist()}
+    assert {"report.html", "summary.html", "pairs.tsv", "runs.tsv"} <= names
+    for model in ("tiny", "tiny.requant-q8_0"):
+        assert {f"{model}.heatmap.png", f"{model}.largest-pair.png"} <= names
+    assert finished.planned_jobs() == []
+
+
+def test_the_catalogs_workflow_snakefile_is_the_same_workflow(finished: Workspace) -> None:
+    # workflow/Snakefile only includes the top-level one: same rules, so nothing to do
+    out = finished.snakemake("--snakefile", str(REPO / "workflow/Snakefile"), "--dry-run")
+    assert "Nothing to be done" in out.stdout + out.stderr
 
 
 def test_nothing_to_do_after_a_complete_run(finished: Workspace) -> None:

@@ -71,10 +71,13 @@ def write_tiny_llama(
     n_ctx: int = 512,
     arch: str = "llama",
     n_head_kv: int | None = None,
+    licence: str | None = "cc0-1.0",
 ) -> Path:
     """Write an F32 GGUF with random weights at ``path``: a llama (or, with ``arch``, a
     file that claims another architecture and has llama's tensors)."""
-    return write_tiny_model(path, arch, seed, n_embd, n_layer, n_head, n_ff, n_ctx, n_head_kv)
+    return write_tiny_model(
+        path, arch, seed, n_embd, n_layer, n_head, n_ff, n_ctx, n_head_kv, licence=licence
+    )
 
 
 def write_tiny_gemma3(path: Path, seed: int = 0, n_layer: int = 3, n_swa: int = 4) -> Path:
@@ -99,6 +102,7 @@ def write_tiny_model(
     n_head_kv: int | None = None,
     n_swa: int = 0,
     swa_pattern: int = 0,
+    licence: str | None = "cc0-1.0",  # weights of our own making; the report shows it
 ) -> Path:
     rng = np.random.default_rng(seed)
     tokens, scores, types = spm_vocab()
@@ -108,6 +112,8 @@ def write_tiny_model(
     gemma = arch == "gemma3"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"qdiff-tiny-{seed}" if arch == "llama" else f"qdiff-tiny-{arch}-{seed}")
+    if licence is not None:
+        writer.add_license(licence)
     writer.add_context_length(n_ctx)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)

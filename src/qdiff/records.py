@@ -35,6 +35,7 @@ class ModelInfo(TypedDict, total=False):
     sha256: str | None
     bytes: int
     origin: str  # where it came from: a source, or "<type> of <parent> (sha256 ...)"
+    licence: str  # as the file and its source declare it (qdiff.sources.declared_licence)
     run_token: str | None  # failed: fresh, so the next invocation retries
     error: ErrorInfo
 
@@ -73,8 +74,15 @@ def fresh_token() -> str:
     return uuid.uuid4().hex
 
 
-def model_info(file: str, sha256: str, size: int, origin: str) -> ModelInfo:
-    return {"status": "ok", "file": file, "sha256": sha256, "bytes": size, "origin": origin}
+def model_info(file: str, sha256: str, size: int, origin: str, licence: str) -> ModelInfo:
+    return {
+        "status": "ok",
+        "file": file,
+        "sha256": sha256,
+        "bytes": size,
+        "origin": origin,
+        "licence": licence,
+    }
 
 
 def failed_model_info(file: str, origin: str, error: ErrorInfo) -> ModelInfo:

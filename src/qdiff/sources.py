@@ -21,7 +21,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, metadata, version
+from importlib.metadata import files as package_files
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse, urlunparse
@@ -299,6 +300,49 @@ def fetch(
     else:
         _fetch_path(source["path"], partial)
     return finish(partial, dest, sha256, describe_source(source))
+
+
+LICENCE_KEYS = ("general.license", "general.license.name", "general.license.link")
+LICENCE_FILE_WORDS = ("LICENSE", "LICENCE", "NOTICE", "TERMS", "COPYING")
+
+
+def declared_licence(source: dict[str, Any], gguf_path: Path) -> str:
+    """The model's licence as its file (GGUF ``general.license*``) and, for a package, the
+    package's metadata and shipped licence files declare it; never guessed."""
+    import gguf  # only here: reading a file's metadata
+
+    said = []
+    try:
+        fields = gguf.GGUFReader(gguf_path).fields
+        in_file = [str(fields[k].contents()) for k in LICENCE_KEYS if k in fields]
+        if in_file:
+            said.append(f"{', '.join(in_file)} (the file's general.license)")
+    except Exception as exc:  # a damaged file fails where it is used, with llama.cpp's words
+        said.append(f"the file's metadata is unreadable ({type(exc).__name__})")
+    if source["kind"] == "package":
+        name = source["package"]["name"]
+        try:
+            meta = metadata(name).json
+            shipped = [
+                str(f) for f in package_files(name) or [] if _is_licence_file(Path(str(f)).name)
+            ]
+        except PackageNotFoundError:
+            meta, shipped = {}, []
+        classifiers = meta.get("classifier", [])
+        declared = (
+            meta.get("license_expression")
+            or meta.get("license")
+            or "; ".join(c for c in classifiers if c.startswith("License"))
+        )
+        if declared:
+            said.append(f"{declared} (package {name}'s metadata)")
+        if shipped:
+            said.append(f"package {name} ships {', '.join(sorted(shipped))}")
+    return "; ".join(said) or "not declared by the file or its source"
+
+
+def _is_licence_file(name: str) -> bool:
+    return any(word in name.upper() for word in LICENCE_FILE_WORDS)
 
 
 def finish(partial: Path, dest: Path, sha256: str | None, origin: str) -> str:

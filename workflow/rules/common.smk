@@ -42,7 +42,12 @@ if EXPERIMENT.strict_devices and ON_THIS_MACHINE:
     check_strict_devices(EXPERIMENT)  # before any job: the missing backend, named
 HASHES = HashCache()
 LLAMA_BUILD = llama_build_id(HASHES)  # a rebuilt llama-cpp-python reruns every stage
-REPORT_FILES = ["results/summary.md", "results/pairs.tsv", "results/runs.tsv"]
+REPORT_FILES = [
+    "results/summary.md",
+    "results/pairs.tsv",
+    "results/runs.tsv",
+    "results/summary.html",
+]
 ENABLED_STAGES = [s for s in STAGES.values() if EXPERIMENT.stage_enabled(s)]
 
 

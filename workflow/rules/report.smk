@@ -1,4 +1,6 @@
 # The Markdown report and its machine-readable tables: always rendered, naming every failure.
+# Flagged for Snakemake's own report (snakemake --report report.html): the summary as a
+# page, the tables and the plots, captioned in workflow/report/.
 
 
 rule report:
@@ -6,9 +8,27 @@ rule report:
         unpack(report_inputs),
     output:
         summary=REPORT_FILES[0],
-        pairs=REPORT_FILES[1],
-        runs=REPORT_FILES[2],
-        plots=directory("results/plots"),
+        pairs=report(
+            REPORT_FILES[1], caption="../report/pairs.rst", category="2. Tables"
+        ),
+        runs=report(REPORT_FILES[2], caption="../report/runs.rst", category="2. Tables"),
+        html=report(
+            REPORT_FILES[3],
+            caption="../report/summary.rst",
+            category="1. Summary",
+            labels={"page": "summary"},
+        ),
+        plots=report(
+            directory("results/plots"),
+            # the model is everything before the plot's kind (model names contain dots)
+            patterns=[
+                "{model}.{plot,heatmap|largest-pair|forced-positions|depth\\..+}.png"
+            ],
+            caption="../report/plots.rst",
+            category="3. Plots",
+            subcategory="{model}",
+            labels={"model": "{model}", "plot": "{plot}"},
+        ),
     log:
         "results/logs/report.log",
     conda:

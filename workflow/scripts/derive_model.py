@@ -27,7 +27,14 @@ def body(job: jobs.Job) -> None:
     )
     write_json(
         job.out(info),
-        records.model_info(gguf.name, sha256_of(staged), staged.stat().st_size, origin),
+        records.model_info(
+            gguf.name,
+            sha256_of(staged),
+            staged.stat().st_size,
+            origin,
+            # llama_model_quantize copies the file's metadata; the source's licence applies
+            parent.get("licence", "not recorded"),
+        ),
     )
 
 

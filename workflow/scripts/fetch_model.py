@@ -5,7 +5,7 @@ from pathlib import Path
 from qdiff import jobs, records
 from qdiff.config import load_experiment
 from qdiff.io import write_json
-from qdiff.sources import StallLimit, describe_source, fetch
+from qdiff.sources import StallLimit, declared_licence, describe_source, fetch
 
 gguf, info = Path(snakemake.output.gguf), Path(snakemake.output.info)
 spec = load_experiment(snakemake.config).models[snakemake.wildcards.model]
@@ -17,9 +17,9 @@ def body(job: jobs.Job) -> None:
         spec.source, job.out(gguf), spec.sha256, stall, gguf.with_name(gguf.name + ".part")
     )
     size = job.out(gguf).stat().st_size
-    write_json(
-        job.out(info), records.model_info(gguf.name, sha256, size, describe_source(spec.source))
-    )
+    origin = describe_source(spec.source)
+    licence = declared_licence(spec.source, job.out(gguf))
+    write_json(job.out(info), records.model_info(gguf.name, sha256, size, origin, licence))
 
 
 def failed(job: jobs.Job, error: records.ErrorInfo) -> None:

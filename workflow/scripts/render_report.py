@@ -24,6 +24,7 @@ def body(job: jobs.Job) -> None:
         summary_path=job.out(out.summary),
         pairs_tsv=job.out(out.pairs),
         runs_tsv=job.out(out.runs),
+        html_path=job.out(out.html),
         plot_dir=job.out(out.plots),
         plot_href=Path(out.plots).name,
         writeup_claims=snakemake.params.writeup_claims,

@@ -15,9 +15,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from qdiff.diagnosis import plural
 from qdiff.io import write_text
 from qdiff.labels import Combination
 from qdiff.report.fmt import cell
+from qdiff.report.html import markdown_to_html
 from qdiff.report.sections import (
     diagnosis,
     distance,
@@ -62,13 +64,16 @@ def safely(section: Callable[..., str], *args: Any) -> str:
 
 
 def _file_line(view: ModelView) -> str:
-    info = (view.ok or view.records)[0]["provenance"]["model_file"]
+    """The model's own file (not a dequantized copy), where it came from and its licence."""
+    records = view.ok or view.records
+    record = next((r for r in records if r["dequant"] == "none"), records[0])
+    info = record["provenance"]["model_file"]
     if info.get("status", "ok") != "ok":
         return f"File `{info['file']}` is not available: {cell(info.get('error', {}).get('message', '?'))}"
-    file_type = view.ok[0]["provenance"]["model_file"].get("file_type") if view.ok else None
+    file_type = info.get("file_type") if record["status"] == "ok" else None
     return (
         f"File `{info['file']}` ({file_type or 'type unknown'}), from {info['origin']}, "
-        f"sha256 `{info['sha256']}`."
+        f"sha256 `{info['sha256']}`. Licence: {info.get('licence', 'not recorded')}."
     )
 
 
@@ -90,9 +95,14 @@ def render(
         TITLE,
         "",
         f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC by the qdiff workflow. "
-        f"{len(views)} model(s) × {len(devices)} device(s) × {len(dequants)} dequant mode(s), "
-        f"{n_prompts} prompt(s) each: {status['ok']} combination(s) ran, "
+        f"{plural(len(views), 'model')} × {plural(len(devices), 'device')} × "
+        f"{plural(len(dequants), 'dequant mode')}, {plural(n_prompts, 'prompt')} each: "
+        f"{plural(status['ok'], 'combination')} ran, "
         f"{status['failed']} failed, {status['unavailable']} left out.",
+        "",
+        "## What this experiment found",
+        "",
+        safely(overview.found, views),
         "",
         "## Left out and failed",
         "",
@@ -121,9 +131,11 @@ def write_report(
     against_reference_model: list[dict[str, Any]] | None = None,
     plot_href: str | None = None,
     writeup_claims: bool = False,
+    html_path: Path | None = None,
 ) -> None:
     """Write the summary, the tables and the plots (into ``plot_dir``, linked from the
-    summary as ``plot_href``, by default the folder's own name)."""
+    summary as ``plot_href``, by default the folder's own name), and the summary as a
+    self-contained page at ``html_path``."""
     write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
     write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
     plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even with nothing to plot
@@ -139,7 +151,11 @@ def write_report(
         plot_dir,
         plot_href or plot_dir.name,
     )
-    write_text(summary_path, render(views, records, writeup_claims))
+    summary = render(views, records, writeup_claims)
+    write_text(summary_path, summary)
+    if html_path is not None:
+        page = markdown_to_html(summary, TITLE.lstrip("# "), plot_dir, plot_href or plot_dir.name)
+        write_text(html_path, page)
 
 
 def failed_report(summary_path: Path, error: dict[str, Any]) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from qdiff.compare import label
+from qdiff.compare import headline, label
+from qdiff.diagnosis import plural
 from qdiff.records import failure_text
-from qdiff.report.fmt import cell, code, table
+from qdiff.report.fmt import cell, code, count, num, table
 from qdiff.report.view import ModelView
 
 LEGEND = (
@@ -16,6 +17,64 @@ LEGEND = (
     "`results/logs/`), and the next `snakemake` retries it. A pair that involves a "
     'combination that did not run is `n/a`, never "equal".'
 )
+
+
+FOUND_MODELS = 3  # models named in the findings; the rest only in their sections
+
+
+def found(views: list[ModelView]) -> str:
+    """Three to five sentences, every number as a table below prints it: per model, the
+    pair that differs most and the combinations closest to and farthest from the exact
+    answer; then how the texts fork along the teacher's."""
+    sentences = [_found(v) for v in views[:FOUND_MODELS]]
+    if len(views) > FOUND_MODELS:
+        rest = len(views) - FOUND_MODELS
+        sentences.append(
+            f"{plural(rest, 'more model')} {'has its' if rest == 1 else 'have their'} own section{'' if rest == 1 else 's'}."
+        )
+    forced = [p["forced"] for v in views for p in v.forced_pairs]
+    forks = sum(len(f["forks"]) for f in forced)
+    if forced:
+        sentences.append(
+            f"Along the teacher's text, the pairs forked {plural(forks, 'time')} in all: "
+            f"{plural(sum(f['near_ties'] for f in forced), 'near tie')}, "
+            f"{plural(sum(f['red_flags'] for f in forced), 'red flag')} and "
+            f"{sum(f.get('undetermined', 0) for f in forced)} undetermined "
+            "(the teacher-forced tables)."
+        )
+    return "\n".join(f"- {s}" for s in sentences) or "_No model ran._"
+
+
+def _found(view: ModelView) -> str:
+    if not view.ok_pairs:
+        said = f"On {code(view.model)}, no two combinations were compared"
+    else:
+        top = max(view.ok_pairs, key=headline)
+        s = top["summary"]
+        if headline(top) == 0:
+            said = (
+                f"On {code(view.model)}, every compared pair gave bit-identical first-step "
+                f"logits ({len(view.ok_pairs)} pair(s), {s['n_prompts']} prompts)"
+            )
+        else:
+            said = (
+                f"On {code(view.model)}, {code(top['a'])} and {code(top['b'])} differ most "
+                f"(first-step max |Δ| {num(headline(top))}; "
+                f"{count(s['forked'], s['n_prompts'])} greedy texts fork)"
+            )
+    exact = view.exact or {}
+    rows = sorted(
+        (r for r in exact.get("rows", []) if r["status"] == "ok"),
+        key=lambda r: r["first_step"]["max_abs"],
+    )
+    if exact.get("status") == "ok" and len(rows) > 1:
+        near, far = rows[0], rows[-1]
+        said += (
+            f"; {code(near['combination'])} is closest to the exact answer (max |Δ| "
+            f"{num(near['first_step']['max_abs'])}), {code(far['combination'])} farthest "
+            f"({num(far['first_step']['max_abs'])})"
+        )
+    return said + "."
 
 
 def failures(views: list[ModelView]) -> str:
@@ -80,6 +139,10 @@ def provenance(records: list[dict[str, Any]]) -> str:
         "llama.cpp system info": f"`{first['system_info']}`",
     }
     lines = [f"- **{k}**: {v}" for k, v in common.items()]
+    licences = {r["model"]: r["provenance"]["model_file"].get("licence") for r in ok}
+    lines += ["- **model licences** (as each file and its source declare them):"] + [
+        f"  - {code(model)}: {licence or 'not recorded'}" for model, licence in licences.items()
+    ]
     rows = []
     for r in ok:
         prov = r["provenance"]
