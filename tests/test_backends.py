@@ -59,3 +59,36 @@ def test_the_readme_documents_every_gpu_backend() -> None:
     for name, backend in BACKENDS.items():
         if backend.on_gpu:
             assert f"QDIFF_BACKEND={name}" in readme or f"`{name}`" in readme
+
+
+def test_strict_devices_probes_the_machine_as_each_device_sees_it(tmp_path) -> None:
+    from qdiff.config import ConfigError, load_experiment
+    from qdiff.probe import check_strict_devices
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    config = {
+        "models": {"m": {"path": str(tmp_path / "m.gguf")}},
+        "prompts": [{"id": "p", "text": "Hi"}],
+        "devices": {
+            "cpu": {"backend": "cpu"},
+            # lavapipe: llama.cpp lists a CPU-type Vulkan device only when it is named
+            "vulkan": {
+                "backend": "vulkan",
+                "env": {"GGML_VK_VISIBLE_DEVICES": "0", "MY_API_KEY": "s3cret"},
+            },
+            "vulkan-unnamed": {"backend": "vulkan"},
+        },
+    }
+    seen: list[dict[str, str]] = []
+
+    def probe(env):
+        seen.append(dict(env))
+        vulkan = [{"name": "Vulkan0", "registry": "Vulkan", "kind": "gpu"}]
+        cpu = [{"name": "CPU", "registry": "CPU", "kind": "cpu"}]
+        return cpu + (vulkan if env.get("GGML_VK_VISIBLE_DEVICES") == "0" else [])
+
+    with pytest.raises(ConfigError) as failed:
+        check_strict_devices(load_experiment(config, tmp_path), probe)
+    assert seen == [{}, {"GGML_VK_VISIBLE_DEVICES": "0"}]  # once per env; no hidden value
+    (problem,) = failed.value.problems
+    assert problem.startswith("config.devices.vulkan-unnamed: strict_devices is on")

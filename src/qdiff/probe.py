@@ -9,17 +9,26 @@ console.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from qdiff import secrets
 from qdiff.config import ConfigError, Experiment
 
 
-def probe_devices() -> list[dict[str, Any]]:
-    """The ggml backend devices of the installed build (in a child process)."""
+def probe_devices(env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """The ggml backend devices of the installed build (in a child process), as a job with
+    these settings in its environment sees them (e.g. ``GGML_VK_VISIBLE_DEVICES``, without
+    which llama.cpp skips a CPU-type Vulkan device)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "qdiff.probe"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "qdiff.probe"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
     )
     if proc.returncode != 0:
         raise ConfigError(
@@ -32,15 +41,22 @@ def probe_devices() -> list[dict[str, Any]]:
 
 
 def check_strict_devices(
-    experiment: Experiment, devices: list[dict[str, Any]] | None = None
+    experiment: Experiment,
+    probe: Callable[[Mapping[str, str]], list[dict[str, Any]]] = probe_devices,
 ) -> None:
-    """Raise ConfigError naming every device whose backend this build cannot use here."""
+    """Raise ConfigError naming every device whose backend this build cannot use here,
+    probed once per distinct set of the numerics settings the devices put in their env
+    (hidden values are never passed: they cannot change which devices exist)."""
     from qdiff.backends import BACKENDS
 
-    devices = probe_devices() if devices is None else devices
-    found = ", ".join(f"{d['name']} ({d['registry']})" for d in devices) or "none"
+    probed: dict[tuple[tuple[str, str], ...], list[dict[str, Any]]] = {}
     problems = []
     for name, settings in experiment.devices.items():
+        shown = tuple((k, v) for k, v in settings.env.items() if secrets.is_setting(k))
+        if shown not in probed:
+            probed[shown] = probe(dict(shown))
+        devices = probed[shown]
+        found = ", ".join(f"{d['name']} ({d['registry']})" for d in devices) or "none"
         backend = BACKENDS[settings.backend]
         if not any(
             d["registry"] in backend.registries and d["kind"] in backend.device_kinds
