@@ -53,10 +53,9 @@ class Workspace:
     def read_config(self) -> dict[str, Any]:
         return yaml.safe_load(self.config_path.read_text())
 
-    def snakemake(
-        self, *args: str, check: bool = True, env: dict[str, str] | None = None
-    ) -> subprocess.CompletedProcess[str]:
-        cmd = [
+    def command(self, *args: str) -> list[str]:
+        """The snakemake command line of this workspace, as a user runs the workflow."""
+        return [
             sys.executable,
             "-m",
             "snakemake",
@@ -68,6 +67,11 @@ class Workspace:
             "2",
             *args,
         ]
+
+    def snakemake(
+        self, *args: str, check: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = self.command(*args)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=REPO)
         if check and proc.returncode != 0:
             raise AssertionError(

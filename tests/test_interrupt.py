@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Workspace, tiny_config
+from conftest import Workspace, tiny_config
 from qdiff.jobs import Job
 
 pytestmark = pytest.mark.workflow
@@ -54,20 +53,12 @@ def test_sigkill_of_snakemake_alone_stops_every_job_then_rerun_completes(
     )
     del config["models"]["tiny"]["requantize"]
     workspace.write_config(config)
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "--snakefile",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(workspace.root),
-        "--cores",
-        "2",
-    ]
     # its own session, so the test can see (and, if it fails, clean up) all it started
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        workspace.command(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     logs = workspace.root / "results/logs/run"
     deadline = time.monotonic() + 300

@@ -230,6 +230,7 @@ def test_snakemake_report_renders_without_rerunning_anything(
     assert {"report.html", "summary.html", "pairs.tsv", "runs.tsv"} <= names
     for model in ("tiny", "tiny.requant-q8_0"):
         assert {f"{model}.heatmap.png", f"{model}.largest-pair.png"} <= names
+        assert any(n.startswith(f"{model}.depth.") for n in names)  # a kind with its detail
     assert finished.planned_jobs() == []
 
 

@@ -17,6 +17,16 @@ DEQUANT_MODES = ("none", *DEQUANT_COPIES)
 PAIR_SEPARATOR = "__"  # device names may not contain it (config.SAFE_NAME)
 # a pair's file stem as Snakemake wildcards (the rule that compares a pair)
 PAIR_STEM_WILDCARDS = "{dev_a}.{dq_a}" + PAIR_SEPARATOR + "{dev_b}.{dq_b}"
+# The report's plots, ``<model>.<kind>[.<detail>].png``: the report draws them, the workflow
+# flags them for Snakemake's report by this pattern (model names contain dots, so the model
+# is everything before a known kind).
+PLOT_KINDS = ("heatmap", "largest-pair", "forced-positions", "depth")
+PLOT_PATTERN = "{model}.{plot,(" + "|".join(PLOT_KINDS) + r")(\..+)?}.png"
+
+
+def plot_name(model: str, kind: str, detail: str | None = None) -> str:
+    assert kind in PLOT_KINDS, kind
+    return f"{model}.{kind}" + (f".{detail}" if detail else "") + ".png"
 
 
 @dataclass(frozen=True, order=True)

@@ -18,6 +18,7 @@ from qdiff.labels import (
     DEQUANT_COPIES,
     DEQUANT_MODES,
     PAIR_STEM_WILDCARDS,
+    PLOT_PATTERN,
     Combination,
     Pair,
 )

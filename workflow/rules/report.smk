@@ -20,14 +20,11 @@ rule report:
         ),
         plots=report(
             directory("results/plots"),
-            # the model is everything before the plot's kind (model names contain dots)
-            patterns=[
-                "{model}.{plot,heatmap|largest-pair|forced-positions|depth\\..+}.png"
-            ],
+            patterns=[PLOT_PATTERN],
             caption="../report/plots.rst",
             category="3. Plots",
             subcategory="{model}",
-            labels={"model": "{model}", "plot": "{plot}"},
+            labels={"plot": "{plot}"},
         ),
     log:
         "results/logs/report.log",

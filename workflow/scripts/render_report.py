@@ -37,7 +37,7 @@ def body(job: jobs.Job) -> None:
 
 
 def failed(job: jobs.Job, error: dict) -> None:
-    failed_report(job.out(out.summary), error)
+    failed_report(job.out(out.summary), error, job.out(out.html))
 
 
 jobs.run(snakemake, body, failed, directories=(out.plots,))

@@ -34,6 +34,7 @@ from qdiff.report.tables import pairs_frame, runs_frame
 from qdiff.report.view import ModelView, split_by_model
 
 TITLE = "# qdiff report: why the same GGUF gives different text on different devices"
+PAGE_TITLE = TITLE.removeprefix("# ")
 
 # (heading, section) in the order a reader meets them
 MODEL_SECTIONS: list[tuple[str, Callable[[ModelView], str]]] = [
@@ -139,6 +140,7 @@ def write_report(
     write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
     write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
     plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even with nothing to plot
+    plot_href = plot_href or plot_dir.name
     views = split_by_model(
         records,
         pairs,
@@ -149,19 +151,20 @@ def write_report(
         reference,
         logits or {},
         plot_dir,
-        plot_href or plot_dir.name,
+        plot_href,
     )
     summary = render(views, records, writeup_claims)
     write_text(summary_path, summary)
     if html_path is not None:
-        page = markdown_to_html(summary, TITLE.lstrip("# "), plot_dir, plot_href or plot_dir.name)
-        write_text(html_path, page)
+        write_text(html_path, markdown_to_html(summary, PAGE_TITLE, plot_dir, plot_href))
 
 
-def failed_report(summary_path: Path, error: dict[str, Any]) -> None:
-    """What the report says when it cannot be rendered at all."""
-    write_text(
-        summary_path,
+def failed_report(summary_path: Path, error: dict[str, Any], html_path: Path | None = None) -> None:
+    """What the report (and its page) says when it cannot be rendered at all."""
+    summary = (
         f"{TITLE}\n\nThe report could not be rendered: {error['message']}. "
-        "`results/logs/report.log` has the details.\n",
+        "`results/logs/report.log` has the details.\n"
     )
+    write_text(summary_path, summary)
+    if html_path is not None:
+        write_text(html_path, markdown_to_html(summary, PAGE_TITLE, Path(), "plots"))

@@ -7,7 +7,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from qdiff.labels import Combination
+from qdiff.labels import Combination, plot_name
 
 
 @dataclass
@@ -45,9 +45,11 @@ class ModelView:
             for p in (self.ok[0]["prompts"] if self.ok else [])
         }
 
-    def plot(self, name: str) -> Path | None:
+    def plot(self, kind: str, detail: str | None = None) -> Path | None:
         """Where a plot of this model goes, or None when plots are off."""
-        return None if self.plot_dir is None else self.plot_dir / f"{self.model}.{name}.png"
+        if self.plot_dir is None:
+            return None
+        return self.plot_dir / plot_name(self.model, kind, detail)
 
     def link(self, path: Path, alt: str) -> str:
         assert self.plot_dir is not None

@@ -155,7 +155,7 @@ def localised(view: ModelView) -> str:
                     ),
                 ]
             stem = Pair.parse(view.model, entry["a"], entry["b"]).stem
-            path = view.plot(f"depth.{stem}.{q['prompt']}")
+            path = view.plot("depth", f"{stem}.{q['prompt']}")
             if path is not None and q["rows"]:
                 divergence = q["first_divergence"]
                 plots.depth_profile(

@@ -25,7 +25,7 @@ FOUND_MODELS = 3  # models named in the findings; the rest only in their section
 def found(views: list[ModelView]) -> str:
     """Three to five sentences, every number as a table below prints it: per model, the
     pair that differs most and the combinations closest to and farthest from the exact
-    answer; then how the texts fork along the teacher's."""
+    answer; then how the texts fork along the teacher's (sums of the forced table)."""
     sentences = [_found(v) for v in views[:FOUND_MODELS]]
     if len(views) > FOUND_MODELS:
         rest = len(views) - FOUND_MODELS
