@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -94,6 +95,14 @@ class Workspace:
                 continue
             jobs.append(Job(m[1], _key_values(block, "wildcards"), _key_values(block, "resources")))
         return jobs
+
+    def pairs(self, model: str) -> list[dict[str, Any]]:
+        """Every pair comparison of ``model`` (results/compare/<model>.json)."""
+        path = self.root / f"results/compare/{model}.json"
+        return list(json.loads(path.read_text())["pairs"])
+
+    def pair(self, model: str, a: str, b: str) -> dict[str, Any]:
+        return next(p for p in self.pairs(model) if (p["a"], p["b"]) == (a, b))
 
     def copy_to(self, dest: Path) -> Workspace:
         shutil.copytree(self.root, dest, symlinks=True)  # copy2 keeps mtimes

@@ -156,7 +156,7 @@ def test_missing_backend_is_left_out_never_substituted(broken) -> None:
     logits = np.load(ws.root / "results/runs/good/gpu/none/logits.npy", allow_pickle=False)
     assert logits.size == 0
     assert rec(ws, "good", "cpu")["status"] == "ok"
-    pair = json.loads((ws.root / "results/compare/good/cpu.none__gpu.none.json").read_text())
+    pair = ws.pair("good", "cpu.none", "gpu.none")
     assert pair["status"] == "n/a" and "gpu.none unavailable" in pair["reason"]
     assert re.search(r"`good`\s+\| `gpu.none`\s+\| run\s+\| unavailable", failures_table(ws))
 
@@ -307,14 +307,12 @@ def test_forced_pass_capture_and_comparison_failures_are_reported(healthy: Works
     a truncated logits file, and a capture of a model file truncated after the runs."""
     logits = healthy.root / "results/runs/good/cpu-fa/none/logits.npy"
     logits.write_bytes(logits.read_bytes()[:100])
-    healthy.snakemake("--forcerun", "force_combination", "compare_pair")
+    healthy.snakemake("--forcerun", "force_combination", "compare_model")
     forced = rec(healthy, "good", "cpu-fa", stage="forced")
     assert forced["status"] == "failed" and forced["error"]["log"].endswith(
         "forced/good/cpu-fa/none.log"
     )
-    pair = json.loads(
-        (healthy.root / "results/compare/good/cpu.none__cpu-fa.none.json").read_text()
-    )
+    pair = healthy.pair("good", "cpu.none", "cpu-fa.none")
     assert pair["status"] == "failed" and "comparison failed" in pair["reason"]
     model = healthy.root / "resources/models/good.gguf"
     model.write_bytes(model.read_bytes()[:1000])

@@ -1,11 +1,18 @@
-"""Metrics and pair comparison on constructed inputs (pure logic)."""
+"""Metrics and pair comparison on constructed inputs (pure logic), one pair and in bulk."""
 
 from __future__ import annotations
+
+import itertools
+import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from qdiff.compare import compare_runs, what_differs
+from qdiff.compare import PairCache, RunFiles, compare_model, compare_runs, what_differs
+from qdiff.hashcache import HashCache
+from qdiff.labels import Combination, Pair
 from qdiff.metrics import PAIR_METRICS, fork_step, logit_metrics, summarise
 
 
@@ -115,3 +122,104 @@ def test_what_differs_lists_backend_first() -> None:
     a = record("cpu", "none", [], n_batch=512)
     b = record("cuda", "f32", [], n_batch=8, backend="cuda")
     assert what_differs(a, b) == ["dequant none→f32", "backend cpu→cuda", "n_batch 512→8"]
+
+
+def test_the_metrics_match_their_float64_definitions_on_a_large_vocabulary() -> None:
+    """``compare_sides`` reads only delta = b - a (and lse) for every metric; against the
+    textbook float64 formulas it agrees to rounding, also for runs that barely differ."""
+    rng = np.random.default_rng(1)
+    a = rng.normal(scale=4.0, size=(3, 50_000)).astype(np.float32)
+    b = np.stack(
+        [
+            a[0] + rng.normal(scale=0.3, size=a.shape[1]).astype(np.float32),
+            np.nextafter(a[1], np.float32(np.inf)),  # one ulp apart everywhere
+            a[2],
+        ]
+    )
+    values = logit_metrics(a, b)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    la = a64 - a64.max(-1, keepdims=True)
+    la -= np.log(np.exp(la).sum(-1, keepdims=True))
+    lb = b64 - b64.max(-1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(-1, keepdims=True))
+    kl = (np.exp(la) * (la - lb)).sum(-1)
+    kl_ba = (np.exp(lb) * (lb - la)).sum(-1)
+    d = b64 - a64
+    np.testing.assert_array_equal(values["max_abs"], np.abs(d).max(-1))
+    np.testing.assert_allclose(values["mean_abs"], np.abs(d).mean(-1), rtol=1e-12)
+    np.testing.assert_allclose(values["rms"], np.sqrt((d**2).mean(-1)), rtol=1e-12)
+    np.testing.assert_allclose(values["nmse"], (d**2).sum(-1) / (a64**2).sum(-1), rtol=1e-12)
+    # KL as a difference of sums: within 1e-7 relative, or 1e-14 absolute near zero
+    np.testing.assert_allclose(values["kl"], kl, rtol=1e-7, atol=1e-14)
+    np.testing.assert_allclose(values["kl_ba"], kl_ba, rtol=1e-7, atol=1e-14)
+    top = a.argmax(-1)
+    rows = np.arange(3)
+    np.testing.assert_allclose(
+        values["dp_top"], np.exp(lb[rows, top]) - np.exp(la[rows, top]), atol=1e-15
+    )
+    assert values["kl"][2] == values["kl_ba"][2] == 0.0 and values["bit_identical"][2]
+    assert not values["bit_identical"][1] and values["kl"][1] < 1e-12
+    margin = np.sort(a64, -1)[:, -1] - np.sort(a64, -1)[:, -2]
+    np.testing.assert_array_equal(values["top1_margin_a"], margin)
+
+
+def write_run(tmp_path: Path, device: str, logits: np.ndarray, tokens: list[list[int]]) -> RunFiles:
+    folder = tmp_path / device
+    folder.mkdir(exist_ok=True)
+    (folder / "record.json").write_text(json.dumps(record(device, "none", tokens)))
+    np.save(folder / "logits.npy", logits)
+    return RunFiles(folder / "record.json", folder / "logits.npy")
+
+
+def test_comparing_a_model_in_bulk_equals_comparing_each_pair_alone(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    base = rng.normal(size=(4, 300)).astype(np.float32)
+    logits = {d: base + rng.normal(scale=0.05, size=base.shape).astype(np.float32) for d in "xyz"}
+    tokens = {"x": [[1], [2], [3], [4]], "y": [[1], [2], [9], [4]], "z": [[1], [2], [3], [4]]}
+    files = {
+        Combination("m", d, "none"): write_run(tmp_path, d, logits[d], tokens[d]) for d in "xyz"
+    }
+    pairs = [Pair(a, b) for a, b in itertools.combinations(files, 2)]
+    results = compare_model(pairs, files)
+    for pair, result in zip(pairs, results, strict=True):
+        alone = compare_runs(
+            json.loads(files[pair.a].record.read_text()),
+            logits[pair.a.device],
+            json.loads(files[pair.b].record.read_text()),
+            logits[pair.b.device],
+        )
+        assert result == alone
+
+
+def test_a_changed_run_recomputes_only_its_pairs_and_a_broken_one_fails_only_its_own(
+    tmp_path: Path,
+) -> None:
+    rng = np.random.default_rng(3)
+    logits = {d: rng.normal(size=(2, 100)).astype(np.float32) for d in "xyz"}
+    files = {
+        Combination("m", d, "none"): write_run(tmp_path, d, logits[d], [[1], [2]]) for d in "xyz"
+    }
+    pairs = [Pair(a, b) for a, b in itertools.combinations(files, 2)]
+    said: list[str] = []
+
+    def compare() -> list[dict]:
+        cache = PairCache(tmp_path / "cache.json", HashCache(tmp_path / "hashes.json"))
+        results = compare_model(pairs, files, cache, say=said.append)
+        cache.save()
+        return results
+
+    first = compare()
+    assert "compared 3 pairs (6 prompt-pairs" in said[-1] and "reused 0 pairs" in said[-1]
+    os.utime(files[Combination("m", "x", "none")].logits)  # touched: same content
+    assert compare() == first and "compared 0 pairs" in said[-1] and "reused 3" in said[-1]
+    np.save(tmp_path / "z/logits.npy", logits["z"] + np.float32(1.0))  # z changed
+    again = compare()
+    assert "compared 2 pairs" in said[-1] and "reused 1 pairs" in said[-1]
+    assert again[0] == first[0] and again[1] != first[1]
+    (tmp_path / "y/logits.npy").write_bytes(b"\x93NUMPY truncated")  # y unreadable
+    broken = compare()
+    assert [r["status"] for r in broken] == ["failed", "ok", "failed"]
+    assert "comparison failed" in broken[0]["reason"]
+    assert "reused 1 pairs" in said[-1]  # x vs z: neither file changed
+    compare()  # a failure is never cached: its pairs are computed again
+    assert "compared 2 pairs" in said[-1]

@@ -33,10 +33,6 @@ def record(ws: Workspace, model: str, device: str, dequant: str) -> dict:
     )
 
 
-def pair(ws: Workspace, model: str, a: str, b: str) -> dict:
-    return json.loads((ws.root / f"results/compare/{model}/{a}__{b}.json").read_text())
-
-
 def by_rule(jobs) -> Counter:
     return Counter(j.rule for j in jobs)
 
@@ -86,7 +82,7 @@ def test_two_cpu_devices_use_different_attention_kernels(finished: Workspace) ->
     fa = record(finished, "tiny.requant-q8_0", "cpu-fa", "none")
     assert plain["provenance"]["llama_context"]["flash_attn"] == "disabled"
     assert fa["provenance"]["llama_context"]["flash_attn"] == "enabled"
-    result = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu-fa.none")
+    result = finished.pair("tiny.requant-q8_0", "cpu.none", "cpu-fa.none")
     assert result["differs"] == ["flash_attn off→on"]
     assert result["summary"]["bit_identical_count"] == 0
     assert result["summary"]["max_abs_max"] > 0
@@ -94,8 +90,8 @@ def test_two_cpu_devices_use_different_attention_kernels(finished: Workspace) ->
 
 def test_dequantized_copy_removes_activation_quantization(finished: Workspace) -> None:
     """Q8_0 vs its f32 copy differs far more than f32 plain vs f32 flash-attention."""
-    quant_vs_f32 = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu.f32")["summary"]
-    f32_fa = pair(finished, "tiny.requant-q8_0", "cpu.f32", "cpu-fa.f32")["summary"]
+    quant_vs_f32 = finished.pair("tiny.requant-q8_0", "cpu.none", "cpu.f32")["summary"]
+    f32_fa = finished.pair("tiny.requant-q8_0", "cpu.f32", "cpu-fa.f32")["summary"]
     assert quant_vs_f32["max_abs_max"] > 5 * f32_fa["max_abs_max"] > 0
     copy_info = json.loads(
         (finished.root / "resources/models/tiny.requant-q8_0.dequant-f32.gguf.json").read_text()
@@ -165,9 +161,9 @@ def test_teacher_forcing_compares_every_position(finished: Workspace) -> None:
                 # forcing takes generation's arithmetic path: position 0 is the free run's
                 assert rec["first_step_identical_to_free_run"] == 2
     # tiny is an F32 file, so its f32 copy holds the same weights: identical everywhere
-    same = pair(finished, "tiny", "cpu.none", "cpu.f32")["forced"]
+    same = finished.pair("tiny", "cpu.none", "cpu.f32")["forced"]
     assert same["bit_identical"] == same["n_positions"] == 16 and same["max_abs"] == 0
-    fa = pair(finished, "tiny.requant-q8_0", "cpu.none", "cpu-fa.none")["forced"]
+    fa = finished.pair("tiny.requant-q8_0", "cpu.none", "cpu-fa.none")["forced"]
     assert fa["status"] == "ok" and fa["n_positions"] == 16 and fa["bit_identical"] == 0
     assert len(fa["per_position"]) == 8 and fa["max_abs"] > 0
     assert fa["top1_agree"] + len(fa["forks"]) == 16
@@ -189,7 +185,7 @@ def test_teacher_forcing_settings_rerun_only_the_forced_passes(
     # the exact reference keeps the logits forcing keeps: it follows
     assert by_rule(ws.planned_jobs()) == Counter(
         force_combination=8,
-        compare_pair=12,
+        compare_model=2,
         localise_model=2,
         report=1,
         exact_reference=2,
@@ -198,7 +194,7 @@ def test_teacher_forcing_settings_rerun_only_the_forced_passes(
     config["teacher_forcing"] = {"enabled": False}
     ws.write_config(config)
     assert by_rule(ws.planned_jobs()) == Counter(
-        compare_pair=12, localise_model=2, report=1, exact_reference=2, distance_from_exact=2
+        compare_model=2, localise_model=2, report=1, exact_reference=2, distance_from_exact=2
     )
 
 
@@ -259,7 +255,7 @@ def test_adding_a_model_runs_only_that_model(
         run_combination=4,
         force_combination=4,
         capture_combination=4,
-        compare_pair=6,
+        compare_model=1,
         localise_model=1,
         exact_reference=1,
         distance_from_exact=1,
@@ -278,15 +274,21 @@ def test_changing_one_device_reruns_only_its_runs_and_pairs(
     runs = [j for j in jobs if j.rule == "run_combination"]
     assert {j.wildcards["device"] for j in runs} == {"cpu-fa"}
     assert len(runs) == 4  # 2 models x 2 dequant modes
-    compares = [j for j in jobs if j.rule == "compare_pair"]
-    assert all("cpu-fa" in (j.wildcards["dev_a"], j.wildcards["dev_b"]) for j in compares)
-    assert len(compares) == 2 * 5  # per model: the 5 of 6 pairs that involve cpu-fa
+    assert by_rule(jobs)["compare_model"] == 2  # one per model
     for rule in ("force_combination", "capture_combination"):
         again = [j for j in jobs if j.rule == rule]
         assert {j.wildcards["device"] for j in again} == {"cpu-fa"} and len(again) == 4
     assert by_rule(jobs)["localise_model"] == 2
     assert by_rule(jobs)["report"] == 1
     assert not {"fetch_model", "requantize_model", "dequantize_model"} & set(by_rule(jobs))
+    # a model's comparison is one job, and it recomputes only the pairs that involve cpu-fa
+    before = {m: ws.pairs(m) for m in ("tiny", "tiny.requant-q8_0")}
+    ws.snakemake()
+    for model, pairs in before.items():
+        log = (ws.root / f"results/logs/compare/{model}.log").read_text()
+        assert "compared 5 pairs" in log and "reused 1 pairs" in log, log
+        unchanged = ws.pair(model, "cpu.none", "cpu.f32")
+        assert unchanged == next(p for p in pairs if (p["a"], p["b"]) == ("cpu.none", "cpu.f32"))
 
 
 @pytest.mark.parametrize(
@@ -310,7 +312,7 @@ def test_changing_prompts_or_token_count_reruns_runs(
     assert counts == Counter(
         run_combination=8,
         force_combination=8,
-        compare_pair=12,
+        compare_model=2,
         localise_model=2,
         report=1,
         exact_reference=2,
@@ -414,8 +416,8 @@ def test_reruns_follow_content_not_timestamps_or_names(
     ws.write_config(config)
     assert ws.planned_jobs() == []
     # a deleted comparison is recreated, and only what reads it reruns
-    (ws.root / "results/compare/tiny/cpu.none__cpu-fa.none.json").unlink()
-    assert by_rule(ws.planned_jobs()) == Counter(compare_pair=1, localise_model=1, report=1)
+    (ws.root / "results/compare/tiny.json").unlink()
+    assert by_rule(ws.planned_jobs()) == Counter(compare_model=1, localise_model=1, report=1)
     (ws.root / "results/runs/tiny/cpu/f32/logits.npy").unlink()
     assert by_rule(ws.planned_jobs())["run_combination"] == 1
 
@@ -521,10 +523,7 @@ def test_recommended_tolerances_cover_every_compared_value(finished: Workspace) 
     from qdiff.tolerance import tolerances
 
     for model in ("tiny", "tiny.requant-q8_0"):
-        results = [
-            json.loads(p.read_text())
-            for p in (finished.root / f"results/compare/{model}").glob("*.json")
-        ]
+        results = finished.pairs(model)
         rows = tolerances(results)
         assert rows
         for row in rows:

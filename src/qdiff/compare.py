@@ -1,23 +1,36 @@
-"""Compare two runs of the same model: per prompt and as one summary (qdiff.records.PairResult)."""
+"""Compare the runs of one model, every pair of them (qdiff.records.PairResult).
+
+``compare_model`` does a model's pairs in bulk: it reads each run's files once (the logits
+memory-mapped), prepares each prompt's logits once for every pair they are in
+(qdiff.metrics.prepare), and takes from ``PairCache`` every pair whose input files are
+byte-identical to those of a pair it compared before. So a model's comparison is one job, yet
+a changed device recomputes only the pairs it is in.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qdiff.forcing import compare_forced
-from qdiff.io import load_array, load_arrays, read_json
+from qdiff import forcing, labels, metrics, settings
+from qdiff.forcing import compare_forced, with_probabilities
+from qdiff.hashcache import HashCache
+from qdiff.io import load_arrays, read_json, write_json
 from qdiff.labels import Combination, Pair
-from qdiff.metrics import PAIR_METRICS, fork_step, logit_metrics, summarise
+from qdiff.metrics import PAIR_METRICS, Side, compare_sides, fork_step, prepare, summarise
 from qdiff.records import ErrorInfo, PairResult, Record
 from qdiff.settings import relation
 
 # Bump when a comparison's fields change: it is a param of the compare rule, so existing
 # comparisons are recomputed instead of reaching the report without the new fields.
-COMPARE_FORMAT = 4
+COMPARE_FORMAT = 5
 
 
 def label(record: Mapping[str, Any]) -> str:
@@ -58,27 +71,33 @@ def _python(value: Any) -> Any:
     return bool(value) if isinstance(value, np.bool_) else float(value)
 
 
-def compare_runs(
-    rec_a: Record, logits_a: np.ndarray, rec_b: Record, logits_b: np.ndarray
-) -> PairResult:
-    """Everything the report and the pairs table need about one pair."""
-    pair = _head(rec_a, rec_b)
-    not_ok = [f"{label(r)} {r['status']}" for r in (rec_a, rec_b) if r["status"] != "ok"]
-    if not_ok:
-        return {**pair, "status": "n/a", "reason": "; ".join(not_ok), "prompts": []}
+def shared_prompts(rec_a: Record, rec_b: Record) -> list[tuple[int, int]]:
+    """(row in a, row in b) of every prompt both runs ran, in a's order."""
     ids_b = {p["id"]: i for i, p in enumerate(rec_b["prompts"])}
-    shared = [(i, ids_b[p["id"]]) for i, p in enumerate(rec_a["prompts"]) if p["id"] in ids_b]
-    if not shared:
-        return {**pair, "status": "n/a", "reason": "no prompt in common", "prompts": []}
-    rows_a, rows_b = zip(*shared, strict=True)
-    values = logit_metrics(logits_a[list(rows_a)], logits_b[list(rows_b)])
+    return [(i, ids_b[p["id"]]) for i, p in enumerate(rec_a["prompts"]) if p["id"] in ids_b]
+
+
+def not_comparable(rec_a: Record, rec_b: Record) -> PairResult | None:
+    """The pair's "n/a" result when their first steps cannot be compared, else None."""
+    not_ok = [f"{label(r)} {r['status']}" for r in (rec_a, rec_b) if r["status"] != "ok"]
+    reason = "; ".join(not_ok) if not_ok else None
+    if reason is None and not shared_prompts(rec_a, rec_b):
+        reason = "no prompt in common"
+    if reason is None:
+        return None
+    return {**_head(rec_a, rec_b), "status": "n/a", "reason": reason, "prompts": []}
+
+
+def pair_result(rec_a: Record, rec_b: Record, rows: list[dict[str, Any]]) -> PairResult:
+    """A comparable pair's result from its per-prompt metrics, in ``shared_prompts`` order."""
+    values = {m.key: np.array([row[m.key] for row in rows]) for m in PAIR_METRICS}
     prompts = []
-    for k, (i, j) in enumerate(shared):
+    for row, (i, j) in zip(rows, shared_prompts(rec_a, rec_b), strict=True):
         pa, pb = rec_a["prompts"][i], rec_b["prompts"][j]
         prompts.append(
             {
                 "prompt": pa["id"],
-                **{m.key: _python(values[m.key][k]) for m in PAIR_METRICS},
+                **{m.key: _python(row[m.key]) for m in PAIR_METRICS},
                 "fork_step": fork_step(pa["tokens"], pb["tokens"]),
                 "same_prompt_tokens": pa["n_prompt_tokens"] == pb["n_prompt_tokens"],
                 "text_a": pa["text"],
@@ -93,34 +112,21 @@ def compare_runs(
         "first_fork_step": min(forks) if forks else None,
         "median_fork_step": float(np.median(forks)) if forks else None,
     }
-    return {**pair, "status": "ok", "summary": summary, "prompts": prompts}
+    return {**_head(rec_a, rec_b), "status": "ok", "summary": summary, "prompts": prompts}
 
 
-def compare_files(
-    record_a: Path,
-    logits_a: Path,
-    record_b: Path,
-    logits_b: Path,
-    forced: tuple[Path, Path, Path, Path] | None = None,
+def compare_runs(
+    rec_a: Record, logits_a: np.ndarray, rec_b: Record, logits_b: np.ndarray
 ) -> PairResult:
-    """``compare_runs`` (and ``compare_forced_runs`` when ``forced`` gives the two forced
-    records and data files) on files; arrays are read only for records that ran."""
-    rec_a, rec_b = read_json(record_a), read_json(record_b)
-    ran = rec_a["status"] == rec_b["status"] == "ok"
-    result = compare_runs(
-        rec_a,
-        load_array(logits_a) if ran else np.zeros((0, 0)),
-        rec_b,
-        load_array(logits_b) if ran else np.zeros((0, 0)),
-    )
-    if forced is not None:
-        fa, da, fb, db = forced
-        frec_a, frec_b = read_json(fa), read_json(fb)
-        both = frec_a["status"] == frec_b["status"] == "ok"
-        result["forced"] = compare_forced_runs(
-            frec_a, load_arrays(da) if both else {}, frec_b, load_arrays(db) if both else {}
-        )
-    return result
+    """Everything the report and the pairs table need about one pair."""
+    skipped = not_comparable(rec_a, rec_b)
+    if skipped is not None:
+        return skipped
+    rows = [
+        compare_sides(prepare(logits_a[i]), prepare(logits_b[j]))
+        for i, j in shared_prompts(rec_a, rec_b)
+    ]
+    return pair_result(rec_a, rec_b, rows)
 
 
 def compare_forced_runs(
@@ -155,3 +161,239 @@ def failed_pair(pair: Pair, error: ErrorInfo) -> PairResult:
 def headline(result: Mapping[str, Any]) -> float:
     """The number pairs are ranked by: the largest first-step max |Δ| over prompts."""
     return float(result["summary"]["max_abs_max"])
+
+
+# ---- every pair of a model, in bulk ----
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What a comparison reads of one combination: its run and its teacher-forced pass."""
+
+    record: Path
+    logits: Path
+    forced_record: Path | None = None
+    forced: Path | None = None
+
+    def paths(self) -> list[Path]:
+        return [p for p in (self.record, self.logits, self.forced_record, self.forced) if p]
+
+
+class _Run:
+    """One combination's files, each read at most once. A failure to read one is kept and
+    raised again for every pair that needs it, so only those pairs fail."""
+
+    def __init__(self, files: RunFiles) -> None:
+        self.files = files
+        self._loaded: dict[str, Any] = {}
+
+    def _get(self, name: str, load: Callable[[], Any]) -> Any:
+        if name not in self._loaded:
+            try:
+                self._loaded[name] = load()
+            except Exception as exc:  # kept, raised for each pair that needs it
+                self._loaded[name] = exc
+        value = self._loaded[name]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    @property
+    def record(self) -> Record:
+        record: Record = self._get("record", lambda: read_json(self.files.record))
+        return record
+
+    @property
+    def logits(self) -> np.ndarray:
+        """(prompts, vocab), memory-mapped: a prompt's row is read when it is compared."""
+        logits: np.ndarray = self._get(
+            "logits", lambda: np.load(self.files.logits, mmap_mode="r", allow_pickle=False)
+        )
+        return logits
+
+    def forced(self, with_data: bool) -> tuple[Record, dict[str, np.ndarray]]:
+        """The forced pass's record and, if ``with_data``, its arrays."""
+        files = self.files
+        assert files.forced_record is not None and files.forced is not None
+        record = self._get("forced_record", lambda: read_json(files.forced_record))  # type: ignore[arg-type]
+        if not with_data:
+            return record, {}
+        # with the slice probabilities, computed once for all the pairs this run is in
+        data = self._get("forced", lambda: with_probabilities(load_arrays(files.forced)))  # type: ignore[arg-type]
+        return record, data
+
+
+class Progress:
+    """A line every ``interval`` seconds while a model's pairs are compared."""
+
+    def __init__(self, total: int, say: Callable[[str], None], interval: float = 10.0) -> None:
+        self.total, self.say, self.interval = total, say, interval
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def step(self, done: int = 1) -> None:
+        self.done += done
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            self.say(f"compared {self.done}/{self.total} prompt-pairs ({self.rate():.0f}/s)")
+
+    def rate(self) -> float:
+        return self.done / max(time.monotonic() - self.start, 1e-9)
+
+
+def _first_steps(
+    pairs: list[Pair], runs: dict[Combination, _Run], progress: Progress
+) -> dict[Pair, Any]:
+    """Each comparable pair's per-prompt metrics (a list in ``shared_prompts`` order), or the
+    exception that stopped it. Prompt by prompt, so each run's row is prepared once for all
+    its pairs, and only one prompt's rows are in memory."""
+    plan: dict[str, list[tuple[Pair, int, int]]] = {}
+    rows: dict[Pair, Any] = {}
+    for pair in pairs:
+        try:
+            rec_a, rec_b = runs[pair.a].record, runs[pair.b].record
+        except Exception as exc:  # this pair fails, the others go on
+            rows[pair] = exc
+            continue
+        if not_comparable(rec_a, rec_b) is None:
+            rows[pair] = {}
+            for i, j in shared_prompts(rec_a, rec_b):
+                plan.setdefault(rec_a["prompts"][i]["id"], []).append((pair, i, j))
+    for work in plan.values():
+        _compare_prompt(work, runs, rows)
+        progress.step(len(work))
+    return {
+        pair: value if isinstance(value, Exception) else [value[i] for i in sorted(value)]
+        for pair, value in rows.items()
+    }
+
+
+def _compare_prompt(
+    work: list[tuple[Pair, int, int]], runs: dict[Combination, _Run], rows: dict[Pair, Any]
+) -> None:
+    """One prompt's pairs, each run's row read and prepared once for all of them. A pair
+    that cannot be compared fails alone."""
+    sides: dict[tuple[Combination, int], Side] = {}
+    scratch = np.empty(0)
+    for pair, i, j in work:
+        if isinstance(rows[pair], Exception):
+            continue
+        try:
+            for combo, row in ((pair.a, i), (pair.b, j)):
+                if (combo, row) not in sides:
+                    sides[combo, row] = prepare(np.asarray(runs[combo].logits[row]))
+            a, b = sides[pair.a, i], sides[pair.b, j]
+            if scratch.shape != a.logits.shape:
+                scratch = np.empty(a.logits.shape)
+            rows[pair][i] = compare_sides(a, b, scratch)
+        except Exception as exc:  # this pair fails, the others go on
+            rows[pair] = exc
+
+
+def _assemble(pair: Pair, runs: dict[Combination, _Run], first: Any) -> PairResult:
+    if isinstance(first, Exception):
+        raise first
+    rec_a, rec_b = runs[pair.a].record, runs[pair.b].record
+    result = not_comparable(rec_a, rec_b) or pair_result(rec_a, rec_b, first)
+    if runs[pair.a].files.forced is not None:
+        status = [runs[c].forced(with_data=False)[0]["status"] for c in (pair.a, pair.b)]
+        both = status == ["ok", "ok"]
+        (frec_a, data_a), (frec_b, data_b) = (runs[c].forced(both) for c in (pair.a, pair.b))
+        result["forced"] = compare_forced_runs(frec_a, data_a, frec_b, data_b)
+    return result
+
+
+def _n_shared(runs: dict[Combination, _Run], pair: Pair) -> int:
+    try:
+        return len(shared_prompts(runs[pair.a].record, runs[pair.b].record))
+    except Exception:  # counted as nothing; the pair fails later, saying why
+        return 0
+
+
+def compare_model(
+    pairs: list[Pair],
+    files: Mapping[Combination, RunFiles],
+    cache: PairCache | None = None,
+    say: Callable[[str], None] = lambda line: None,
+) -> list[PairResult]:
+    """Every pair's result, in ``pairs`` order. A pair that cannot be computed is "failed",
+    saying why, and the others are still compared."""
+    runs = {combo: _Run(f) for combo, f in files.items()}
+    results: dict[Pair, PairResult] = {}
+    keys = {p: cache.key(files[p.a], files[p.b]) if cache else None for p in pairs}
+    for pair in pairs:
+        cached = cache.get(keys[pair]) if cache else None
+        if cached is not None:
+            results[pair] = cached
+    pending = [p for p in pairs if p not in results]
+    progress = Progress(sum(_n_shared(runs, p) for p in pending), say)
+    first = _first_steps(pending, runs, progress)
+    for pair in pending:
+        try:
+            results[pair] = _assemble(pair, runs, first.get(pair))
+        except Exception as exc:  # this pair fails, the others go on
+            message = f"{type(exc).__name__}: {exc}"
+            results[pair] = failed_pair(pair, {"kind": "error", "message": message})
+        if cache:
+            cache.put(keys[pair], results[pair])
+    say(
+        f"compared {len(pending)} pairs ({progress.done} prompt-pairs, {progress.rate():.0f}/s);"
+        f" reused {len(pairs) - len(pending)} pairs whose files did not change"
+    )
+    return [results[p] for p in pairs]
+
+
+def _code_digest() -> str:
+    """The comparison's own version: its format and the source of the modules it runs."""
+    digest = hashlib.sha256(str(COMPARE_FORMAT).encode())
+    for path in (__file__, forcing.__file__, labels.__file__, metrics.__file__, settings.__file__):
+        digest.update(Path(str(path)).read_bytes())
+    return digest.hexdigest()
+
+
+CACHE_DIR = Path(".snakemake/qdiff/compare")
+
+
+class PairCache:
+    """Finished comparisons by the content of what they read: the SHA-256 of each input
+    file and the comparison's own code (``_code_digest``). An entry is reused only for
+    byte-identical inputs, so a reused pair is exactly the pair computed again. One file
+    per model (``CACHE_DIR``) holds the pairs of its latest comparison; losing it only
+    costs time."""
+
+    def __init__(self, path: Path, hashes: HashCache | None = None) -> None:
+        self.path = path
+        self.hashes = hashes or HashCache()
+        self.code = _code_digest()
+        try:
+            stored = read_json(path)
+            self.entries = stored["pairs"] if stored["code"] == self.code else {}
+        except (OSError, ValueError, KeyError, TypeError):
+            self.entries = {}
+        self.kept: dict[str, PairResult] = {}
+
+    @classmethod
+    def of_model(cls, model: str) -> PairCache:
+        return cls(CACHE_DIR / f"{model}.json")
+
+    def key(self, a: RunFiles, b: RunFiles) -> str | None:
+        try:
+            digests = [[self.hashes.sha256(p) for p in side.paths()] for side in (a, b)]
+        except OSError:
+            return None  # unreadable: computed (and failed) again, never cached
+        return hashlib.sha256(json.dumps([self.code, digests]).encode()).hexdigest()
+
+    def get(self, key: str | None) -> PairResult | None:
+        if key is None or key not in self.entries:
+            return None
+        self.kept[key] = self.entries[key]
+        return self.kept[key]
+
+    def put(self, key: str | None, result: PairResult) -> None:
+        if key is not None and result["status"] != "failed":  # a failure may be transient
+            self.kept[key] = result
+
+    def save(self) -> None:
+        write_json(self.path, {"code": self.code, "pairs": self.kept})
+        self.hashes.save()

@@ -7,6 +7,7 @@ stops the workflow before any job runs, with every problem named by its key.
 from __future__ import annotations
 
 import copy
+import functools
 import ipaddress
 import json
 import re
@@ -201,10 +202,16 @@ class Experiment:
         }
 
 
+# libyaml's parser where PyYAML has it: every invocation parses the config, the prompts and the
+# schema, and the pure-Python parser is a tenth of a no-op rerun
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@functools.cache
 def _schema() -> dict[str, Any]:
-    """The JSON schema, with the enums that live in qdiff's tables filled in."""
+    """The JSON schema, with the enums that live in qdiff's tables filled in (read-only)."""
     text = resources.files("qdiff").joinpath("config.schema.yaml").read_text()
-    schema = yaml.safe_load(text)
+    schema: dict[str, Any] = yaml.load(text, Loader=_YAML_LOADER)
     device = schema["properties"]["devices"]["additionalProperties"]["properties"]
     device["backend"]["enum"] = list(BACKENDS)
     device["kv_cache_type"]["enum"] = list(KV_CACHE_TYPES)
@@ -513,7 +520,7 @@ def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Exper
     return validate(config, base_dir)[0]
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(_YAML_LOADER):  # type: ignore[misc,valid-type]
     """A YAML loader that refuses a mapping with the same key twice (PyYAML keeps the last)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:

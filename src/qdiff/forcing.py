@@ -136,18 +136,30 @@ class Fork:
     kind: str  # "near tie" | "red flag" | "undetermined"
 
 
-def _slice_probs(logits: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Probabilities of the slice tokens and the mass of everything else."""
-    probs = np.exp(logits.astype(np.float64) - lse[..., None])
-    tail = np.clip(1.0 - probs.sum(axis=-1), 0.0, 1.0)
-    return probs, tail
-
-
-def _kl(pa: np.ndarray, ta: np.ndarray, pb: np.ndarray, tb: np.ndarray) -> np.ndarray:
+def with_probabilities(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A forced pass's arrays plus the probabilities of its slice tokens, of everything else
+    (the tail) and their logs: computed once per combination however many pairs it is in."""
+    if "probs" in data:
+        return data
     tiny = np.finfo(np.float64).tiny
-    inner = np.where(pa > 0, pa * (np.log(np.maximum(pa, tiny)) - np.log(np.maximum(pb, tiny))), 0)
-    tail = np.where(ta > 0, ta * (np.log(np.maximum(ta, tiny)) - np.log(np.maximum(tb, tiny))), 0)
-    return np.maximum(inner.sum(axis=-1) + tail, 0.0)
+    logits = np.nan_to_num(data["slice_logits"], nan=-np.inf).astype(np.float64)
+    probs = np.exp(logits - data["lse"][..., None])
+    tail = np.clip(1.0 - probs.sum(axis=-1), 0.0, 1.0)
+    return {
+        **data,
+        "probs": probs,
+        "log_probs": np.log(np.maximum(probs, tiny)),
+        "tail": tail,
+        "log_tail": np.log(np.maximum(tail, tiny)),
+    }
+
+
+def _kl(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> np.ndarray:
+    """KL(a || b) over the slice tokens and the tail: a lower bound of the full KL."""
+    pa, ta = a["probs"], a["tail"]
+    inner = np.where(pa > 0, pa * (a["log_probs"] - b["log_probs"]), 0).sum(axis=-1)
+    tail = np.where(ta > 0, ta * (a["log_tail"] - b["log_tail"]), 0)
+    return np.maximum(inner + tail, 0.0)
 
 
 def _preference(side: dict[str, np.ndarray], p: int, t: int, other: int) -> tuple[float, bool]:
@@ -176,9 +188,7 @@ def compare_forced(
     max_abs = np.nanmax(
         np.abs(b["slice_logits"].astype(np.float64) - a["slice_logits"]), axis=-1, initial=0.0
     )
-    pa, ta = _slice_probs(np.nan_to_num(a["slice_logits"], nan=-np.inf), a["lse"])
-    pb, tb = _slice_probs(np.nan_to_num(b["slice_logits"], nan=-np.inf), b["lse"])
-    kl = _kl(pa, ta, pb, tb)
+    kl = _kl(with_probabilities(a), with_probabilities(b))
     identical = a["digest"] == b["digest"]
     agree = a["top_ids"][..., 0] == b["top_ids"][..., 0]
     # the pair's typical difference where it differs at all: a pair that is bit-identical

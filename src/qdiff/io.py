@@ -7,9 +7,10 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # imported where arrays are read or written, which most job parents never do
+    import numpy as np
 
 
 def _umask() -> int:
@@ -48,20 +49,28 @@ def write_text(path: Path, text: str) -> None:
 
 
 def save_array(path: Path, array: np.ndarray) -> None:
+    import numpy as np
+
     _atomic(path, "wb", lambda f: np.save(f, array, allow_pickle=False))
 
 
 def load_array(path: Path) -> np.ndarray:
     """Load a .npy file; object arrays (which need pickle) are refused."""
+    import numpy as np
+
     return np.load(path, allow_pickle=False)
 
 
 def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """Several named arrays in one uncompressed .npz file."""
+    import numpy as np
+
     _atomic(path, "wb", lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
     """All arrays of a .npz file, read at once; object arrays are refused."""
+    import numpy as np
+
     with np.load(path, allow_pickle=False) as data:
         return {name: data[name] for name in data.files}

@@ -15,8 +15,6 @@ from typing import Any
 DEQUANT_COPIES = ("f32", "f16", "bf16")
 DEQUANT_MODES = ("none", *DEQUANT_COPIES)
 PAIR_SEPARATOR = "__"  # device names may not contain it (config.SAFE_NAME)
-# a pair's file stem as Snakemake wildcards (the rule that compares a pair)
-PAIR_STEM_WILDCARDS = "{dev_a}.{dq_a}" + PAIR_SEPARATOR + "{dev_b}.{dq_b}"
 # The report's plots, ``<model>.<kind>[.<detail>].png``: the report draws them, the workflow
 # flags them for Snakemake's report by this pattern (model names contain dots, so the model
 # is everything before a known kind).

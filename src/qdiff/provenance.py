@@ -8,8 +8,6 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import qdiff
 from qdiff import secrets
 from qdiff.backends import BACKENDS
@@ -39,7 +37,7 @@ def machine() -> dict[str, Any]:
         "qdiff": qdiff.__version__,
         "llama_cpp_python": package_version("llama_cpp_python"),
         "python": platform.python_version(),
-        "numpy": np.__version__,
+        "numpy": package_version("numpy"),
         "os": platform.platform(),
         "cpu_model": cpu_model(),
     }

@@ -2,7 +2,7 @@
 
 - a model file's sidecar (``resources/models/<file>.gguf.json``): ``ModelInfo``;
 - a per-combination stage's ``record.json`` (qdiff.stages): ``Record``;
-- a pair comparison (``results/compare/<model>/<a>__<b>.json``): ``PairResult``.
+- a model's pair comparisons (``results/compare/<model>.json``, its ``pairs``): ``PairResult``.
 
 Every one of them has a ``status``: ``ok``, or ``failed`` / ``unavailable`` / ``n/a`` with
 an ``error`` (or ``reason``) that says what went wrong and what to do. A failure is always

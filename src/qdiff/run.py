@@ -25,8 +25,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from qdiff import records, secrets
 from qdiff.io import load_array, read_json, write_json
 from qdiff.jobs import StopWorkflow, spawn
@@ -74,6 +72,8 @@ def _classify(returncode: int | None, error: dict[str, Any] | None) -> records.E
 
 def determinism(attempts: list[Path]) -> dict[str, Any]:
     """Whether repeated runs (each in a fresh process) gave bit-identical results."""
+    import numpy as np  # here only: every per-combination job imports this module
+
     first_logits = load_array(attempts[0] / RUN.data_file)
     first_tokens = [p["tokens"] for p in read_json(attempts[0] / "record.json")["prompts"]]
     max_abs, logits_same, tokens_same = 0.0, True, True

@@ -35,13 +35,6 @@ class WorkerFailure(Exception):
         self.exit_code = exit_code
 
 
-def _prompt_tokens(model: LoadedModel, text: str, chat: bool | str) -> list[int]:
-    if chat is False:
-        return model.tokenize(text, parse_special=False)
-    wrapped = model.apply_chat_template(text, chat if isinstance(chat, str) else None)
-    return model.tokenize(wrapped, parse_special=True)
-
-
 def _reasons(log: LlamaLog) -> str:
     return "; ".join(log.errors) or "llama.cpp logged no error"
 
@@ -122,7 +115,7 @@ def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     results: list[tuple[dict[str, Any], Generation]] = []
     with loaded:
         for i, prompt in enumerate(spec["prompts"]):
-            tokens = _prompt_tokens(loaded, prompt["text"], generation["chat_template"])
+            tokens = loaded.prompt_tokens(prompt["text"], generation["chat_template"])
             gen = loaded.generate(tokens, generation["n_tokens"])
             results.append((prompt, gen))
             print(
@@ -183,7 +176,7 @@ def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     seconds, positions, first_step_same = 0.0, 0, 0
     with loaded:
         for p, prompt in enumerate(prompts):
-            tokens = _prompt_tokens(loaded, prompt["text"], spec["generation"]["chat_template"])
+            tokens = loaded.prompt_tokens(prompt["text"], spec["generation"]["chat_template"])
             forced = sequences[prompt["id"]]
             recorder.begin_prompt(p, len(tokens), forced)
 
@@ -241,7 +234,7 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     loaded, prov = _load(spec, log)
     with loaded:
         for i, prompt_id in enumerate(settings["prompts"]):
-            tokens = _prompt_tokens(loaded, texts[prompt_id], spec["generation"]["chat_template"])
+            tokens = loaded.prompt_tokens(texts[prompt_id], spec["generation"]["chat_template"])
             plain, plain_s = loaded.prefill(tokens)
             loaded.set_eval_callback(capturer.callback)
             last = loaded.last_ubatch(len(tokens))

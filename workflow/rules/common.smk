@@ -17,7 +17,6 @@ from qdiff.hashcache import HashCache
 from qdiff.labels import (
     DEQUANT_COPIES,
     DEQUANT_MODES,
-    PAIR_STEM_WILDCARDS,
     PLOT_PATTERN,
     Combination,
     Pair,
@@ -64,19 +63,15 @@ DERIVED = [m.name for m in EXPERIMENT.models.values() if m.derived]
 wildcard_constraints:
     model=alternation(EXPERIMENT.models),
     device=alternation(EXPERIMENT.devices),
-    dev_a=alternation(EXPERIMENT.devices),
-    dev_b=alternation(EXPERIMENT.devices),
     dequant=alternation(DEQUANT_MODES),
-    dq_a=alternation(DEQUANT_MODES),
-    dq_b=alternation(DEQUANT_MODES),
     dqcopy=alternation(DEQUANT_COPIES),
 
 
 # ---- what the workflow makes ----
 
 
-def pair_file(pair):
-    return f"results/compare/{pair.model}/{pair.stem}.json"
+def compare_file(model):
+    return f"results/compare/{model}.json"
 
 
 def localise_file(model):
@@ -91,7 +86,7 @@ def all_targets(wildcards):
     for combo in EXPERIMENT.all_combinations():
         for stage in ENABLED_STAGES:
             targets += [stage.record(combo), stage.data(combo)]
-    targets += [pair_file(p) for p in EXPERIMENT.all_pairs()]
+    targets += [compare_file(m) for m in EXPERIMENT.run_models]
     if EXPERIMENT.capture_enabled:
         targets += [localise_file(m) for m in EXPERIMENT.run_models]
     targets += [
@@ -212,11 +207,22 @@ def run_threads(wildcards):
     return max(workflow.cores, threads)
 
 
+def size_mb(files):
+    """The files' size in MiB, one stat each (Snakemake's input.size_mb costs a hundred times
+    more, and planning asks for every job). Before a file exists this raises
+    FileNotFoundError, which Snakemake turns into a value it asks for again once it does."""
+    return sum(Path(f).stat().st_size for f in files) / 2**20
+
+
+def gguf_mb(input):
+    return size_mb(f for f in input if f.endswith(".gguf"))
+
+
 def model_mem_mb(wildcards, input):
     """Memory a job that loads (or converts) a GGUF file needs: the file, a copy's worth of
     working space and 2 GB for the runtime and the logits (the `mem_mb` a cluster job asks for).
     """
-    return int(2 * input.size_mb + 2000)
+    return int(2 * gguf_mb(input) + 2000)
 
 
 def run_env(wildcards):
@@ -229,18 +235,31 @@ def run_gpus(wildcards):
 
 
 def compare_inputs(wildcards):
-    pair = Pair(
-        Combination(wildcards.model, wildcards.dev_a, wildcards.dq_a),
-        Combination(wildcards.model, wildcards.dev_b, wildcards.dq_b),
-    )
-    inputs = {}
-    for side, combo in (("a", pair.a), ("b", pair.b)):
-        inputs[f"record_{side}"] = RUN.record(combo)
-        inputs[f"logits_{side}"] = ancient(RUN.data(combo))
-        if EXPERIMENT.forcing_enabled:
-            inputs[f"forced_record_{side}"] = FORCED.record(combo)
-            inputs[f"forced_{side}"] = ancient(FORCED.data(combo))
-    return inputs
+    """Every combination's run (and forced pass) of the model, in ``combination_labels``
+    order."""
+    combos = EXPERIMENT.combinations(wildcards.model)
+    forcing = EXPERIMENT.forcing_enabled
+    return {
+        "records": [RUN.record(c) for c in combos],
+        "logits": [ancient(RUN.data(c)) for c in combos],
+        "forced_records": [FORCED.record(c) for c in combos] if forcing else [],
+        "forced": [ancient(FORCED.data(c)) for c in combos] if forcing else [],
+    }
+
+
+def combination_labels(wildcards):
+    return [c.label for c in EXPERIMENT.combinations(wildcards.model)]
+
+
+def pair_labels(wildcards):
+    return [list(p.labels) for p in EXPERIMENT.pairs(wildcards.model)]
+
+
+def compare_mem_mb(wildcards, input):
+    """The arrays it reads (the logits' pages count against a cluster job's memory, and the
+    forced passes' slices are kept with their probabilities, 4x their size) and 2 GB for
+    one prompt's prepared logits of every run and the results."""
+    return int(3 * size_mb(input) + 2000)
 
 
 def localise_inputs(wildcards):
@@ -249,7 +268,7 @@ def localise_inputs(wildcards):
     return {
         "records": [CAPTURE.record(c) for c in combos],
         "data": [ancient(CAPTURE.data(c)) for c in combos],
-        "pairs": [pair_file(p) for p in EXPERIMENT.pairs(wildcards.model)],
+        "pairs": compare_file(wildcards.model),
     }
 
 
@@ -280,7 +299,7 @@ def exact_threads(wildcards):
 
 def exact_mem_mb(wildcards, input):
     """float64 weights take up to 16x a 4-bit file, plus the logits and working space."""
-    return int(20 * input.size_mb + 2000)
+    return int(20 * gguf_mb(input) + 2000)
 
 
 def exact_retry_token(wildcards):
@@ -336,7 +355,7 @@ def report_inputs(wildcards):
         "records": stage_files(RUN, "record"),
         "logits": stage_files(RUN, "data"),
         "forced": stage_files(FORCED, "record"),
-        "pairs": [pair_file(p) for p in EXPERIMENT.all_pairs()],
+        "pairs": [compare_file(m) for m in EXPERIMENT.run_models],
         "localised": (
             [localise_file(m) for m in EXPERIMENT.run_models]
             if EXPERIMENT.capture_enabled

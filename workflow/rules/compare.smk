@@ -1,20 +1,28 @@
-# One job per pair of combinations of the same model, so a changed device reruns only its
-# pairs; and, per model, where its pairs part op by op.
+# Per model: every pair of its combinations in one job (qdiff.compare.compare_model), which
+# reuses each pair whose files did not change, so a changed device recomputes only its own
+# pairs; and where its pairs part, op by op.
 
 
-rule compare_pair:
+rule compare_model:
     input:
         unpack(compare_inputs),
     output:
-        f"results/compare/{{model}}/{PAIR_STEM_WILDCARDS}.json",
+        "results/compare/{model}.json",
     log:
-        f"results/logs/compare/{{model}}/{PAIR_STEM_WILDCARDS}.log",
+        "results/logs/compare/{model}.log",
+    benchmark:
+        "results/benchmarks/compare/{model}.tsv"
     conda:
         "../../envs/qdiff.yaml"
+    threads: 1
+    resources:
+        mem_mb=compare_mem_mb,
     params:
+        combinations=combination_labels,
+        pairs=pair_labels,
         format=COMPARE_FORMAT,
     script:
-        "../scripts/compare_pair.py"
+        "../scripts/compare_model.py"
 
 
 rule localise_model:

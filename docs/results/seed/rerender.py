@@ -17,7 +17,8 @@ root, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.mkdir(parents=True, exist_ok=True)
 write_report(
     records=load("runs/*/*/*/record.json"),
-    pairs=load("compare/*/*.json"),
+    # one file per pair (the archive's layout), or per model with its pairs (qdiff now)
+    pairs=load("compare/*/*.json") + [p for f in load("compare/*.json") for p in f["pairs"]],
     forced=load("forced/*/*/*/record.json"),
     localised=load("localise/*.json"),
     exact=load("exact/*/distance.json"),

@@ -191,6 +191,14 @@ class LoadedModel:
         llama_cpp.llama_chat_apply_template(template, messages, 1, True, buf, needed + 1)
         return buf.raw[:needed].decode("utf-8")
 
+    def prompt_tokens(self, text: str, chat: bool | str) -> list[int]:
+        """A prompt's tokens: the text as is (``chat`` false), or wrapped in the model's chat
+        template (true) or in the built-in template ``chat`` names."""
+        if chat is False:
+            return self.tokenize(text, parse_special=False)
+        wrapped = self.apply_chat_template(text, chat if isinstance(chat, str) else None)
+        return self.tokenize(wrapped, parse_special=True)
+
     def tokenize(self, text: str, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
         capacity = len(data) + 8

