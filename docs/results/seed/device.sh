@@ -32,7 +32,7 @@ case "${1:-}" in
 build)
     BACKENDS=${2:-cuda,vulkan} # docs/results/bench-h200/device.sh builds cuda alone
     mkdir -p "$SITE" /tmp/src /tmp/vk /tmp/parts
-    cp .carry/p0 /tmp/parts/
+    if [ -f .carry/p0 ]; then cp .carry/p0 /tmp/parts/; fi # or carried later, with `part p0`
     tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
     export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
 $(python3 src/qdiff/backends.py cmake-args "$BACKENDS")"
