@@ -1,0 +1,57 @@
+"""benchmarks/bench.py end to end on a tiny experiment: every figure is measured and printed
+against its target (the figures themselves are the benchmark's to judge, not a test's)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO, tiny_config
+
+
+def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) -> None:
+    config = tmp_path / "experiment.yaml"
+    config.write_text(yaml.safe_dump(tiny_config(tiny_gguf), sort_keys=False))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks/bench.py"),
+            "--config",
+            str(config),
+            "--workdir",
+            str(tmp_path / "bench"),
+            "--cores",
+            "2",
+            "--repeat",
+            "1",
+            "--matrix",
+            "2x2x1x2",
+            "--compare-runs",
+            "3",
+            "--compare-prompts",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    figures = re.findall(r"^  (.+?)\s+(\d+\.\d+) .* target ([<>]=) ", out, re.M)
+    names = [name.strip() for name, _, _ in figures]
+    assert names == [
+        "pipeline / inference floor",
+        "no-op rerun",
+        "compare throughput",  # synthetic logits of Gemma's vocabulary
+        "compare throughput",  # the experiment's own runs
+        "planning, first time",
+        "planning",
+    ], out
+    assert all(float(value) > 0 for _, value, _ in figures)
+    assert "runs only (run_combination 8, compare_model 2, report 1)" in out
+    assert "planning 2x2x1x2: " in out and "Snakemake's own no-op" in out
