@@ -5,7 +5,8 @@
 It runs, in a scratch directory (``--workdir``, default a temporary one):
 
 1. the experiment (``--config``, default the default experiment) through ``snakemake --cores N``
-   from nothing, then the no-op rerun (the same command again);
+   from nothing, then the no-op rerun (the same command again), beside Snakemake's own no-op
+   of a one-rule workflow;
 2. the same experiment's runs alone (teacher forcing, capture and the exact reference off),
    from a clean results/ with the model files already made, against the *inference floor*: the
    same runs in one bare loop in this process (llama-cpp-python through
@@ -14,11 +15,11 @@ It runs, in a scratch directory (``--workdir``, default a temporary one):
 3. comparison throughput: ``qdiff.compare.compare_model`` on one thread, reading the arrays
    from disk, on synthetic logits of Gemma 3's 262,144-token vocabulary and on the
    experiment's own largest-vocabulary model;
-4. planning: ``snakemake --dry-run`` of a generated matrix (tiny real GGUF models; default
-   10 models x 10 devices x 3 dequant x 30 prompts).
+4. planning: ``snakemake --dry-run --quiet rules`` of a generated matrix (tiny real GGUF
+   models; default 10 models x 10 devices x 3 dequant x 30 prompts).
 
-It prints each figure with its target and the ratio to it. The targets are issue 15's; a ratio
-is measured, never assumed, so run it on the machine you care about.
+It prints each figure beside its target (issue 15's) and says whether it meets it. The
+figures are this machine's: run it on the machine you care about.
 """
 
 from __future__ import annotations
@@ -290,15 +291,15 @@ def compare_in_child(files: dict[str, dict[str, str]], model: str) -> tuple[int,
 
 
 def experiment_runs(experiment: Path) -> tuple[str, dict[str, dict[str, str]]] | None:
-    """The experiment's model with the largest vocabulary, and its runs' files."""
+    """The experiment's model with the largest logits files (the largest vocabulary), and
+    its runs' files."""
     best: tuple[int, str] | None = None
     if not (experiment / "results/runs").is_dir():
         return None
     for logits in (experiment / "results/runs").glob("*/*/*/logits.npy"):
-        vocab = int(logits.stat().st_size)
-        model = logits.parts[-4]
-        if best is None or vocab > best[0]:
-            best = (vocab, model)
+        size = logits.stat().st_size
+        if best is None or size > best[0]:
+            best = (size, logits.parts[-4])
     if best is None:
         return None
     model = best[1]
