@@ -292,26 +292,25 @@ def compare_in_child(files: dict[str, dict[str, str]], model: str) -> tuple[int,
 
 def experiment_runs(experiment: Path) -> tuple[str, dict[str, dict[str, str]]] | None:
     """The experiment's model with the largest logits files (the largest vocabulary), and
-    its runs' files."""
-    best: tuple[int, str] | None = None
-    if not (experiment / "results/runs").is_dir():
+    its runs' files, or None when the experiment has not run here."""
+    from qdiff.config import validate
+    from qdiff.stages import FORCED, RUN
+
+    if not (experiment / RUN.folder).is_dir():
         return None
-    for logits in (experiment / "results/runs").glob("*/*/*/logits.npy"):
-        size = logits.stat().st_size
-        if best is None or size > best[0]:
-            best = (size, logits.parts[-4])
-    if best is None:
-        return None
-    model = best[1]
+    config = yaml.safe_load((experiment / "config/config.yaml").read_text())
+    runs, _ = validate(config, experiment)
+
+    def logits_bytes(model: str) -> int:
+        return max((experiment / RUN.data(c)).stat().st_size for c in runs.combinations(model))
+
+    model = max(runs.run_models, key=logits_bytes)
     files = {}
-    for record in sorted((experiment / "results/runs" / model).glob("*/*/record.json")):
-        device, dequant = record.parts[-3], record.parts[-2]
-        forced = experiment / "results/forced" / model / device / dequant
-        entry = {"record": str(record), "logits": str(record.with_name("logits.npy"))}
-        if (forced / "record.json").exists():
-            entry |= {"forced_record": str(forced / "record.json")}
-            entry |= {"forced": str(forced / "forced.npz")}
-        files[f"{device}.{dequant}"] = entry
+    for combo in runs.combinations(model):
+        entry = {"record": RUN.record(combo), "logits": RUN.data(combo)}
+        if runs.forcing_enabled:
+            entry |= {"forced_record": FORCED.record(combo), "forced": FORCED.data(combo)}
+        files[combo.label] = {key: str(experiment / path) for key, path in entry.items()}
     return model, files
 
 

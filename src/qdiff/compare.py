@@ -211,16 +211,23 @@ class _Run:
         )
         return logits
 
-    def forced(self, with_data: bool) -> tuple[Record, dict[str, np.ndarray]]:
-        """The forced pass's record and, if ``with_data``, its arrays."""
-        files = self.files
-        assert files.forced_record is not None and files.forced is not None
-        record = self._get("forced_record", lambda: read_json(files.forced_record))  # type: ignore[arg-type]
-        if not with_data:
-            return record, {}
-        # with the slice probabilities, computed once for all the pairs this run is in
-        data = self._get("forced", lambda: with_probabilities(load_arrays(files.forced)))  # type: ignore[arg-type]
-        return record, data
+    @property
+    def forced_record(self) -> Record:
+        path = self.files.forced_record
+        assert path is not None
+        record: Record = self._get("forced_record", lambda: read_json(path))
+        return record
+
+    @property
+    def forced_data(self) -> dict[str, np.ndarray]:
+        """The forced pass's arrays with their slice probabilities, computed once for all the
+        pairs this run is in."""
+        path = self.files.forced
+        assert path is not None
+        data: dict[str, np.ndarray] = self._get(
+            "forced", lambda: with_probabilities(load_arrays(path))
+        )
+        return data
 
 
 class Progress:
@@ -231,7 +238,7 @@ class Progress:
         self.done = 0
         self.start = self.last = time.monotonic()
 
-    def step(self, done: int = 1) -> None:
+    def step(self, done: int) -> None:
         self.done += done
         now = time.monotonic()
         if now - self.last >= self.interval:
@@ -243,11 +250,12 @@ class Progress:
 
 
 def _first_steps(
-    pairs: list[Pair], runs: dict[Combination, _Run], progress: Progress
-) -> dict[Pair, Any]:
+    pairs: list[Pair], runs: dict[Combination, _Run], say: Callable[[str], None]
+) -> tuple[dict[Pair, Any], Progress]:
     """Each comparable pair's per-prompt metrics (a list in ``shared_prompts`` order), or the
-    exception that stopped it. Prompt by prompt, so each run's row is prepared once for all
-    its pairs, and only one prompt's rows are in memory."""
+    exception that stopped it, and how many prompt-pairs it compared how fast. Prompt by
+    prompt, so each run's row is prepared once for all its pairs, and only one prompt's rows
+    are in memory."""
     plan: dict[str, list[tuple[Pair, int, int]]] = {}
     rows: dict[Pair, Any] = {}
     for pair in pairs:
@@ -260,13 +268,15 @@ def _first_steps(
             rows[pair] = {}
             for i, j in shared_prompts(rec_a, rec_b):
                 plan.setdefault(rec_a["prompts"][i]["id"], []).append((pair, i, j))
+    progress = Progress(sum(len(work) for work in plan.values()), say)
     for work in plan.values():
         _compare_prompt(work, runs, rows)
         progress.step(len(work))
-    return {
+    first = {
         pair: value if isinstance(value, Exception) else [value[i] for i in sorted(value)]
         for pair, value in rows.items()
     }
+    return first, progress
 
 
 def _compare_prompt(
@@ -297,18 +307,15 @@ def _assemble(pair: Pair, runs: dict[Combination, _Run], first: Any) -> PairResu
     rec_a, rec_b = runs[pair.a].record, runs[pair.b].record
     result = not_comparable(rec_a, rec_b) or pair_result(rec_a, rec_b, first)
     if runs[pair.a].files.forced is not None:
-        status = [runs[c].forced(with_data=False)[0]["status"] for c in (pair.a, pair.b)]
-        both = status == ["ok", "ok"]
-        (frec_a, data_a), (frec_b, data_b) = (runs[c].forced(both) for c in (pair.a, pair.b))
-        result["forced"] = compare_forced_runs(frec_a, data_a, frec_b, data_b)
+        a, b = runs[pair.a], runs[pair.b]
+        both = a.forced_record["status"] == b.forced_record["status"] == "ok"
+        result["forced"] = compare_forced_runs(
+            a.forced_record,
+            a.forced_data if both else {},
+            b.forced_record,
+            b.forced_data if both else {},
+        )
     return result
-
-
-def _n_shared(runs: dict[Combination, _Run], pair: Pair) -> int:
-    try:
-        return len(shared_prompts(runs[pair.a].record, runs[pair.b].record))
-    except Exception:  # counted as nothing; the pair fails later, saying why
-        return 0
 
 
 def compare_model(
@@ -327,8 +334,7 @@ def compare_model(
         if cached is not None:
             results[pair] = cached
     pending = [p for p in pairs if p not in results]
-    progress = Progress(sum(_n_shared(runs, p) for p in pending), say)
-    first = _first_steps(pending, runs, progress)
+    first, progress = _first_steps(pending, runs, say)
     for pair in pending:
         try:
             results[pair] = _assemble(pair, runs, first.get(pair))

@@ -208,8 +208,8 @@ def run_threads(wildcards):
 
 
 def size_mb(files):
-    """The files' size in MiB, one stat each (Snakemake's input.size_mb costs a hundred times
-    more, and planning asks for every job). Before a file exists this raises
+    """The files' size in MiB, one stat each (Snakemake's input.size_mb cost 1.5 ms a job,
+    about 40 times more, and planning asks for every job). Before a file exists this raises
     FileNotFoundError, which Snakemake turns into a value it asks for again once it does.
     """
     return sum(Path(f).stat().st_size for f in files) / 2**20

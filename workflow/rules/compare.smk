@@ -7,7 +7,7 @@ rule compare_model:
     input:
         unpack(compare_inputs),
     output:
-        "results/compare/{model}.json",
+        compare_file("{model}"),
     log:
         "results/logs/compare/{model}.log",
     benchmark:
@@ -29,7 +29,7 @@ rule localise_model:
     input:
         unpack(localise_inputs),
     output:
-        "results/localise/{model}.json",
+        localise_file("{model}"),
     log:
         "results/logs/localise/{model}.log",
     conda:

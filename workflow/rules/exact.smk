@@ -7,8 +7,8 @@ rule exact_reference:
     input:
         unpack(exact_inputs),
     output:
-        record="results/exact/{model}/record.json",
-        data="results/exact/{model}/exact.npz",
+        record=f"{exact_dir('{model}')}/record.json",
+        data=f"{exact_dir('{model}')}/exact.npz",
     log:
         "results/logs/exact/{model}.log",
     benchmark:
@@ -31,7 +31,7 @@ rule distance_from_exact:
     input:
         unpack(distance_inputs),
     output:
-        "results/exact/{model}/distance.json",
+        f"{exact_dir('{model}')}/distance.json",
     log:
         "results/logs/exact/{model}.distance.log",
     conda:
@@ -48,7 +48,7 @@ rule distance_from_reference_model:
     input:
         unpack(reference_model_inputs),
     output:
-        "results/reference/{model}.json",
+        reference_model_file("{model}"),
     log:
         "results/logs/reference/{model}.log",
     conda:
