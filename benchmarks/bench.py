@@ -267,7 +267,7 @@ def throughput(files: dict[str, dict[str, str]], model: str) -> tuple[int, float
     runs = {
         Combination.parse(model, label): RunFiles(
             Path(f["record"]),
-            Path(f["logits"]),
+            Path(f["logits"]) if "logits" in f else None,  # first_step_logits: top_k
             Path(f["forced_record"]) if "forced_record" in f else None,
             Path(f["forced"]) if "forced" in f else None,
         )
@@ -291,7 +291,7 @@ def compare_in_child(files: dict[str, dict[str, str]], model: str) -> tuple[int,
 
 
 def experiment_runs(experiment: Path) -> tuple[str, dict[str, dict[str, str]]] | None:
-    """The experiment's model with the largest logits files (the largest vocabulary), and
+    """The experiment's model with the largest data files (the largest vocabulary), and
     its runs' files, or None when the experiment has not run here."""
     from qdiff.config import validate
     from qdiff.stages import FORCED, RUN
@@ -301,13 +301,17 @@ def experiment_runs(experiment: Path) -> tuple[str, dict[str, dict[str, str]]] |
     config = yaml.safe_load((experiment / "config/config.yaml").read_text())
     runs, _ = validate(config, experiment)
 
-    def logits_bytes(model: str) -> int:
-        return max((experiment / RUN.data(c)).stat().st_size for c in runs.combinations(model))
+    measured = RUN if runs.keeps_data(RUN) else FORCED  # first_step_logits: top_k keeps none
 
-    model = max(runs.run_models, key=logits_bytes)
+    def data_bytes(model: str) -> int:
+        return max((experiment / measured.data(c)).stat().st_size for c in runs.combinations(model))
+
+    model = max(runs.run_models, key=data_bytes)
     files = {}
     for combo in runs.combinations(model):
-        entry = {"record": RUN.record(combo), "logits": RUN.data(combo)}
+        entry = {"record": RUN.record(combo)}
+        if runs.keeps_data(RUN):
+            entry["logits"] = RUN.data(combo)
         if runs.forcing_enabled:
             entry |= {"forced_record": FORCED.record(combo), "forced": FORCED.data(combo)}
         files[combo.label] = {key: str(experiment / path) for key, path in entry.items()}

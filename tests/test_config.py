@@ -176,6 +176,18 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
             "config.teacher_forcing.top_k: 1 is less than the minimum",
         ),
         (changed(teacher_forcing={"topk": 5}), "config.teacher_forcing: unknown key 'topk'"),
+        (
+            changed(first_step_logits="top"),
+            "config.first_step_logits: 'top' is not one of ['full', 'top_k']",
+        ),
+        (
+            changed(first_step_logits="top_k", teacher_forcing={"enabled": False}),
+            "config.first_step_logits: top_k keeps first steps in the teacher-forced pass",
+        ),
+        (
+            changed(first_step_logits="top_k", reference="cpu.none", reference_model="tiny"),
+            "config.first_step_logits: top_k cannot measure against reference_model",
+        ),
     ],
 )
 def test_bad_config_names_the_key(config: dict, expected: str) -> None:

@@ -303,11 +303,14 @@ def healthy(workspace: Workspace, tiny_gguf: Path) -> Workspace:
 
 
 def test_forced_pass_capture_and_comparison_failures_are_reported(healthy: Workspace) -> None:
-    """Files corrupted on disk between stages: the forced pass and the comparisons that read
-    a truncated logits file, and a capture of a model file truncated after the runs."""
+    """Files corrupted on disk between stages: a forced pass that reads the teacher's
+    truncated forced pass, the comparisons that read a truncated logits file, and a capture of
+    a model file truncated after the runs."""
     logits = healthy.root / "results/runs/good/cpu-fa/none/logits.npy"
     logits.write_bytes(logits.read_bytes()[:100])
-    healthy.snakemake("--forcerun", "force_combination", "compare_model")
+    teacher = healthy.root / "results/forced/good/cpu/none/forced.npz"
+    teacher.write_bytes(teacher.read_bytes()[:100])
+    healthy.snakemake("--forcerun", "results/forced/good/cpu-fa/none/record.json", "compare_model")
     forced = rec(healthy, "good", "cpu-fa", stage="forced")
     assert forced["status"] == "failed" and forced["error"]["log"].endswith(
         "forced/good/cpu-fa/none.log"

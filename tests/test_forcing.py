@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qdiff.forcing import TIE_FACTOR, ForcedRecorder, compare_forced, digest, top_ids
+from qdiff.forcing import (
+    TIE_FACTOR,
+    ForcedRecorder,
+    compare_forced,
+    digest,
+    first_step_metrics,
+    top_ids,
+    with_probabilities,
+)
 from qdiff.metrics import logit_metrics
 
 VOCAB = 64
@@ -157,3 +165,30 @@ def test_the_tie_threshold_ignores_bit_identical_positions() -> None:
     assert result["max_abs_median"] == 0 < result["max_abs_median_differing"]
     (fork,) = result["forks"]
     assert fork["kind"] == "near tie"
+
+
+def test_first_steps_from_the_forced_slice_equal_the_full_comparison_when_it_covers_all() -> None:
+    a, b = noisy(np.random.default_rng(5), 1, scale=0.2)
+    full = logit_metrics(np.stack(a), np.stack(b))
+    ra, ids = record(a, VOCAB)
+    rb, _ = record(b, VOCAB, ids)
+    sliced = first_step_metrics(with_probabilities(ra), with_probabilities(rb), 0, 0)
+    for key, value in sliced.items():
+        assert value == pytest.approx(full[key][0], rel=1e-6, abs=1e-12), key
+
+
+def test_first_steps_over_a_smaller_slice_are_bounds_with_exact_top1_and_identity() -> None:
+    a, b = noisy(np.random.default_rng(6), 1, scale=0.5)
+    full = logit_metrics(np.stack(a), np.stack(b))
+    ra, ids = record(a, 4)
+    rb, _ = record(b, 4, ids)
+    sliced = first_step_metrics(with_probabilities(ra), with_probabilities(rb), 0, 0)
+    assert sliced["max_abs"] <= full["max_abs"][0]
+    assert sliced["kl"] <= full["kl"][0] + 1e-12 and sliced["kl_ba"] <= full["kl_ba"][0] + 1e-12
+    assert sliced["top1_agree"] == full["top1_agree"][0]
+    assert sliced["top1_margin_a"] == pytest.approx(full["top1_margin_a"][0])
+    assert not sliced["bit_identical"]
+    same, _ = record([a[0].copy()], 4, ids)
+    assert first_step_metrics(with_probabilities(ra), with_probabilities(same), 0, 0)[
+        "bit_identical"
+    ]

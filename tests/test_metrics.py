@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from qdiff.compare import PairCache, RunFiles, compare_model, compare_runs, what_differs
+from qdiff.forcing import ForcedRecorder
 from qdiff.hashcache import HashCache
+from qdiff.io import save_arrays
 from qdiff.labels import Combination, Pair
 from qdiff.metrics import PAIR_METRICS, fork_step, logit_metrics, summarise
 
@@ -223,3 +225,52 @@ def test_a_changed_run_recomputes_only_its_pairs_and_a_broken_one_fails_only_its
     assert "reused 1 pairs" in said[-1]  # x vs z: neither file changed
     compare()  # a failure is never cached: its pairs are computed again
     assert "compared 2 pairs" in said[-1]
+
+
+def write_forced(folder: Path, logits: np.ndarray, ids: list | None, status: str = "ok") -> list:
+    """A forced pass of one position per prompt (position 0: the run's first step), as the
+    worker writes it; returns the slice ids it kept."""
+    recorder = ForcedRecorder(len(logits), 1, 4)
+    used = []
+    for p, row in enumerate(logits):
+        recorder.begin_prompt(p, 3, [int(row.argmax())])
+        used.append(recorder.add(p, 0, row, None if ids is None else ids[p]))
+    save_arrays(folder / "forced.npz", recorder.arrays)
+    record = {
+        "status": status,
+        "teacher": "x.none",
+        "top_k": 4,
+        "prompt_ids": [f"p{p}" for p in range(len(logits))],
+    }
+    (folder / "forced.json").write_text(json.dumps(record))
+    return used
+
+
+def test_without_first_step_logits_pairs_compare_on_the_forced_slice_or_say_why_not(
+    tmp_path: Path,
+) -> None:
+    rng = np.random.default_rng(4)
+    logits = {d: rng.normal(size=(2, 50)).astype(np.float32) for d in "xyz"}
+    files, ids = {}, None
+    for d in "xyz":
+        full = write_run(tmp_path, d, logits[d], [[1], [2]])
+        used = write_forced(tmp_path / d, logits[d], ids, "failed" if d == "z" else "ok")
+        ids = ids or used
+        files[Combination("m", d, "none")] = RunFiles(
+            full.record, None, tmp_path / d / "forced.json", tmp_path / d / "forced.npz"
+        )
+    pairs = [Pair(a, b) for a, b in itertools.combinations(files, 2)]
+    xy, xz, _ = compare_model(pairs, files)
+    assert xy["status"] == "ok" and xy["first_step_top_k"] == 4, xy.get("reason")
+    full = compare_runs(
+        json.loads(files[pairs[0].a].record.read_text()),
+        logits["x"],
+        json.loads(files[pairs[0].b].record.read_text()),
+        logits["y"],
+    )
+    assert full["first_step_top_k"] is None
+    for mine, theirs in zip(xy["prompts"], full["prompts"], strict=True):
+        assert mine["top1_agree"] == theirs["top1_agree"]
+        assert mine["max_abs"] <= theirs["max_abs"]
+    assert xz["status"] == "n/a" and "m.z.none failed" not in xz["reason"]
+    assert "first_step_logits: top_k" in xz["reason"] and "z.none failed" in xz["reason"]

@@ -602,3 +602,67 @@ def test_another_model_as_the_reference(
         "against `orig`'s `cpu.none` run" in text
         and "against the exact answer of `orig`'s weights" in text
     )
+
+
+def test_runs_that_keep_only_the_top_k_compare_first_steps_on_the_forced_slice(
+    finished: Workspace, tmp_path: Path
+) -> None:
+    """first_step_logits: top_k drops every logits.npy; first steps then compare on the
+    forced passes' position 0. Over a slice as large as the vocabulary (411 tokens here,
+    top_k 1024) that is the full comparison; over a smaller one max |Δ| and KL are lower
+    bounds, and top-1 and bit-identity stay exact."""
+    ws = finished.copy_to(tmp_path / "ws")
+    for logits in (ws.root / "results/runs").rglob("logits.npy"):
+        logits.unlink()  # what a user with too little disk would do
+    config = ws.read_config()
+    config["first_step_logits"] = "top_k"
+    ws.write_config(config)
+    # nothing is run again: only what compares first steps, and the report
+    assert by_rule(ws.planned_jobs()) == Counter(
+        compare_model=2, localise_model=2, distance_from_exact=2, report=1
+    )
+    ws.snakemake()
+    summary = (ws.root / "results/summary.md").read_text()
+    assert "over the teacher's top 411 tokens" in summary
+    assert "not drawn: the runs keep no full first-step logits" in summary
+    for model in ("tiny", "tiny.requant-q8_0"):
+        full = {(p["a"], p["b"]): p for p in finished.pairs(model)}
+        for pair in ws.pairs(model):
+            assert pair["status"] == "ok" and pair["first_step_top_k"] == 411
+            reference = full[pair["a"], pair["b"]]
+            for mine, theirs in zip(pair["prompts"], reference["prompts"], strict=True):
+                for key in ("top1_agree", "bit_identical", "top1_margin_a"):
+                    assert mine[key] == theirs[key], (key, mine, theirs)
+                for key in ("max_abs", "mean_abs", "rms", "nmse", "kl", "kl_ba", "dp_top"):
+                    assert mine[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-12), key
+        distances = json.loads((ws.root / f"results/exact/{model}/distance.json").read_text())
+        before = json.loads((finished.root / f"results/exact/{model}/distance.json").read_text())
+        for mine, theirs in zip(distances["rows"], before["rows"], strict=True):
+            assert mine["first_step_top_k"] == 411
+            assert mine["first_step"]["max_abs"] == pytest.approx(theirs["first_step"]["max_abs"])
+
+    # a slice smaller than the vocabulary: lower bounds, exact top-1 and bit-identity
+    config["teacher_forcing"] = {"top_k": 8}
+    ws.write_config(config)
+    ws.snakemake()
+    for model in ("tiny", "tiny.requant-q8_0"):
+        full = {(p["a"], p["b"]): p for p in finished.pairs(model)}
+        for pair in ws.pairs(model):
+            assert pair["first_step_top_k"] == 8
+            reference = full[pair["a"], pair["b"]]
+            for mine, theirs in zip(pair["prompts"], reference["prompts"], strict=True):
+                assert mine["top1_agree"] == theirs["top1_agree"]
+                assert mine["bit_identical"] == theirs["bit_identical"]
+                assert mine["max_abs"] <= theirs["max_abs"]
+                assert mine["kl"] <= theirs["kl"] * (1 + 1e-9) + 1e-15
+    assert not list((ws.root / "results/runs").rglob("logits.npy"))
+
+
+def test_top_k_first_steps_need_teacher_forcing(workspace: Workspace, tiny_gguf: Path) -> None:
+    workspace.write_config(
+        tiny_config(tiny_gguf, first_step_logits="top_k", teacher_forcing={"enabled": False})
+    )
+    proc = workspace.snakemake("--dry-run", check=False)
+    assert proc.returncode != 0
+    assert "config.first_step_logits: top_k" in proc.stderr + proc.stdout
+    assert "teacher_forcing.enabled" in proc.stderr + proc.stdout

@@ -5,6 +5,10 @@ memory-mapped), prepares each prompt's logits once for every pair they are in
 (qdiff.metrics.prepare), and takes from ``PairCache`` every pair whose input files are
 byte-identical to those of a pair it compared before. So a model's comparison is one job, yet
 a changed device recomputes only the pairs it is in.
+
+First steps compare over the full vocabulary when both runs kept their logits, and otherwise
+(``first_step_logits: top_k``) on their forced passes' position 0, over the teacher's top-k
+tokens (qdiff.forcing.first_step_metrics); each pair says which in ``first_step_top_k``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from qdiff import forcing, labels, metrics, settings
-from qdiff.forcing import compare_forced, with_probabilities
+from qdiff.forcing import compare_forced, first_step_metrics, with_probabilities
 from qdiff.hashcache import HashCache
 from qdiff.io import load_arrays, read_json, write_json
 from qdiff.labels import Combination, Pair
@@ -30,7 +34,7 @@ from qdiff.settings import relation
 
 # Bump when a comparison's fields change: it is a param of the compare rule, so existing
 # comparisons are recomputed instead of reaching the report without the new fields.
-COMPARE_FORMAT = 5
+COMPARE_FORMAT = 6
 
 
 def label(record: Mapping[str, Any]) -> str:
@@ -88,8 +92,11 @@ def not_comparable(rec_a: Record, rec_b: Record) -> PairResult | None:
     return {**_head(rec_a, rec_b), "status": "n/a", "reason": reason, "prompts": []}
 
 
-def pair_result(rec_a: Record, rec_b: Record, rows: list[dict[str, Any]]) -> PairResult:
-    """A comparable pair's result from its per-prompt metrics, in ``shared_prompts`` order."""
+def pair_result(
+    rec_a: Record, rec_b: Record, rows: list[dict[str, Any]], top_k: int | None = None
+) -> PairResult:
+    """A comparable pair's result from its per-prompt metrics, in ``shared_prompts`` order;
+    ``top_k``: the tokens they are over (None: the full vocabulary)."""
     values = {m.key: np.array([row[m.key] for row in rows]) for m in PAIR_METRICS}
     prompts = []
     for row, (i, j) in zip(rows, shared_prompts(rec_a, rec_b), strict=True):
@@ -112,7 +119,13 @@ def pair_result(rec_a: Record, rec_b: Record, rows: list[dict[str, Any]]) -> Pai
         "first_fork_step": min(forks) if forks else None,
         "median_fork_step": float(np.median(forks)) if forks else None,
     }
-    return {**_head(rec_a, rec_b), "status": "ok", "summary": summary, "prompts": prompts}
+    return {
+        **_head(rec_a, rec_b),
+        "status": "ok",
+        "first_step_top_k": top_k,
+        "summary": summary,
+        "prompts": prompts,
+    }
 
 
 def compare_runs(
@@ -171,7 +184,7 @@ class RunFiles:
     """What a comparison reads of one combination: its run and its teacher-forced pass."""
 
     record: Path
-    logits: Path
+    logits: Path | None  # None: the run kept no first-step logits (first_step_logits: top_k)
     forced_record: Path | None = None
     forced: Path | None = None
 
@@ -206,10 +219,16 @@ class _Run:
     @property
     def logits(self) -> np.ndarray:
         """(prompts, vocab), memory-mapped: a prompt's row is read when it is compared."""
+        path = self.files.logits
+        assert path is not None
         logits: np.ndarray = self._get(
-            "logits", lambda: np.load(self.files.logits, mmap_mode="r", allow_pickle=False)
+            "logits", lambda: np.load(path, mmap_mode="r", allow_pickle=False)
         )
         return logits
+
+    def forced_row(self, prompt: str) -> int:
+        """The row of ``prompt`` in the forced pass's arrays."""
+        return list(self.forced_record["prompt_ids"]).index(prompt)  # type: ignore[typeddict-item]
 
     @property
     def forced_record(self) -> Record:
@@ -249,6 +268,28 @@ class Progress:
         return self.done / max(time.monotonic() - self.start, 1e-9)
 
 
+class NotComparable(Exception):
+    """A pair whose first steps cannot be compared, and why: its result is "n/a"."""
+
+
+def slice_top_k(pair: Pair, runs: Mapping[Combination, _Run]) -> int | None:
+    """How many tokens a pair's first steps compare over: None for the full vocabulary
+    (both runs kept their logits), else the forced passes' top-k (NotComparable if those
+    did not run)."""
+    a, b = runs[pair.a], runs[pair.b]
+    if a.files.logits is not None and b.files.logits is not None:
+        return None
+    if a.files.forced is None or b.files.forced is None:
+        raise NotComparable("no first-step logits and no teacher-forced passes to compare")
+    if a.forced_record["status"] != "ok" or b.forced_record["status"] != "ok":
+        not_ok = [f"{c.label} {r.forced_record['status']}" for c, r in ((pair.a, a), (pair.b, b))]
+        raise NotComparable(
+            "first steps are kept only in the teacher-forced passes (first_step_logits: "
+            f"top_k), and they did not both run: {'; '.join(not_ok)}"
+        )
+    return int(a.forced_record["top_k"])  # type: ignore[typeddict-item]
+
+
 def _first_steps(
     pairs: list[Pair], runs: dict[Combination, _Run], say: Callable[[str], None]
 ) -> tuple[dict[Pair, Any], Progress]:
@@ -258,19 +299,21 @@ def _first_steps(
     are in memory."""
     plan: dict[str, list[tuple[Pair, int, int]]] = {}
     rows: dict[Pair, Any] = {}
+    sliced: set[Pair] = set()  # compared on the forced passes' position 0
     for pair in pairs:
         try:
             rec_a, rec_b = runs[pair.a].record, runs[pair.b].record
-        except Exception as exc:  # this pair fails, the others go on
+            if not_comparable(rec_a, rec_b) is None:
+                if slice_top_k(pair, runs) is not None:  # or NotComparable, before any work
+                    sliced.add(pair)
+                rows[pair] = {}
+                for i, j in shared_prompts(rec_a, rec_b):
+                    plan.setdefault(rec_a["prompts"][i]["id"], []).append((pair, i, j))
+        except Exception as exc:  # this pair fails (or is n/a), the others go on
             rows[pair] = exc
-            continue
-        if not_comparable(rec_a, rec_b) is None:
-            rows[pair] = {}
-            for i, j in shared_prompts(rec_a, rec_b):
-                plan.setdefault(rec_a["prompts"][i]["id"], []).append((pair, i, j))
     progress = Progress(sum(len(work) for work in plan.values()), say)
-    for work in plan.values():
-        _compare_prompt(work, runs, rows)
+    for prompt, work in plan.items():
+        _compare_prompt(prompt, work, runs, rows, sliced)
         progress.step(len(work))
     first = {
         pair: value if isinstance(value, Exception) else [value[i] for i in sorted(value)]
@@ -280,16 +323,30 @@ def _first_steps(
 
 
 def _compare_prompt(
-    work: list[tuple[Pair, int, int]], runs: dict[Combination, _Run], rows: dict[Pair, Any]
+    prompt: str,
+    work: list[tuple[Pair, int, int]],
+    runs: dict[Combination, _Run],
+    rows: dict[Pair, Any],
+    sliced: set[Pair],
 ) -> None:
-    """One prompt's pairs, each run's row read and prepared once for all of them. A pair
-    that cannot be compared fails alone."""
+    """One prompt's pairs, each run's row read and prepared once for all of them (a pair in
+    ``sliced``: its forced passes' position 0 instead). A pair that cannot be compared fails
+    alone."""
     sides: dict[tuple[Combination, int], Side] = {}
     scratch = np.empty(0)
     for pair, i, j in work:
         if isinstance(rows[pair], Exception):
             continue
         try:
+            if pair in sliced:
+                a_run, b_run = runs[pair.a], runs[pair.b]
+                rows[pair][i] = first_step_metrics(
+                    a_run.forced_data,
+                    b_run.forced_data,
+                    a_run.forced_row(prompt),
+                    b_run.forced_row(prompt),
+                )
+                continue
             for combo, row in ((pair.a, i), (pair.b, j)):
                 if (combo, row) not in sides:
                     sides[combo, row] = prepare(np.asarray(runs[combo].logits[row]))
@@ -302,10 +359,14 @@ def _compare_prompt(
 
 
 def _assemble(pair: Pair, runs: dict[Combination, _Run], first: Any) -> PairResult:
+    rec_a, rec_b = runs[pair.a].record, runs[pair.b].record
+    if isinstance(first, NotComparable):
+        return {**_head(rec_a, rec_b), "status": "n/a", "reason": str(first), "prompts": []}
     if isinstance(first, Exception):
         raise first
-    rec_a, rec_b = runs[pair.a].record, runs[pair.b].record
-    result = not_comparable(rec_a, rec_b) or pair_result(rec_a, rec_b, first)
+    result = not_comparable(rec_a, rec_b) or pair_result(
+        rec_a, rec_b, first, slice_top_k(pair, runs)
+    )
     if runs[pair.a].files.forced is not None:
         a, b = runs[pair.a], runs[pair.b]
         both = a.forced_record["status"] == b.forced_record["status"] == "ok"

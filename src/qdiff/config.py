@@ -100,6 +100,7 @@ class Experiment:
     exact: dict[str, Any] | None = None  # {"enabled"}
     reference_model: str | None = None  # a model every other model is measured against
     report: dict[str, Any] | None = None  # {"writeup_claims": bool}
+    first_step_logits: str = "full"  # "full" | "top_k": what a run keeps (qdiff.forcing)
 
     # ---- the matrix ----
 
@@ -147,6 +148,12 @@ class Experiment:
         return bool(self.teacher_forcing and self.teacher_forcing["enabled"])
 
     @property
+    def keeps_first_logits(self) -> bool:
+        """Whether runs keep their full first-step logits (logits.npy); otherwise first
+        steps compare on the forced pass's position 0 (``first_step_logits: top_k``)."""
+        return self.first_step_logits == "full"
+
+    @property
     def capture_enabled(self) -> bool:
         return bool(self.capture and self.capture["enabled"])
 
@@ -156,6 +163,11 @@ class Experiment:
 
     def stage_enabled(self, stage: Stage) -> bool:
         return {RUN: True, FORCED: self.forcing_enabled, CAPTURE: self.capture_enabled}[stage]
+
+    def keeps_data(self, stage: Stage) -> bool:
+        """Whether a stage's jobs write its data file: every stage does, except a run with
+        ``first_step_logits: top_k``."""
+        return stage is not RUN or self.keeps_first_logits
 
     def spec(self, stage: Stage, combo: Combination) -> dict[str, Any]:
         """The slice of the config one stage's job depends on: its params."""
@@ -493,6 +505,17 @@ def validate(
             problems.append(
                 "config.reference_model: needs `reference` (a combination, e.g. cpu.f32)"
             )
+    if data["first_step_logits"] == "top_k":
+        if not data["teacher_forcing"]["enabled"]:
+            problems.append(
+                "config.first_step_logits: top_k keeps first steps in the teacher-forced pass, "
+                "so it needs teacher_forcing.enabled: true"
+            )
+        if data.get("reference_model") is not None:
+            problems.append(
+                "config.first_step_logits: top_k cannot measure against reference_model, "
+                "which compares two models' full first-step logits; use full"
+            )
     if problems:
         raise ConfigError(problems)
     experiment = Experiment(
@@ -511,6 +534,7 @@ def validate(
         exact=data["exact"],
         reference_model=data.get("reference_model"),
         report=data["report"],
+        first_step_logits=data["first_step_logits"],
     )
     return experiment, data
 

@@ -2,7 +2,9 @@
 
 Per combination, with the exact logits as the reference side of every metric:
 - at the first step, over the full vocabulary and every prompt: max |Δ|, RMS, NMSE,
-  KL(exact ‖ combination) and top-1 agreement;
+  KL(exact ‖ combination) and top-1 agreement; over the teacher's top-k tokens of the forced
+  pass's position 0 when runs keep no full logits (``first_step_logits: top_k``, then
+  ``first_step_top_k`` says so);
 - along the teacher's text, at every forced position, over the logits teacher forcing keeps
   (qdiff.forcing): max |Δ| (median and max over positions), KL (a lower bound of the full
   KL), and top-1 agreement.
@@ -15,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from qdiff.compare import label
-from qdiff.forcing import compare_forced
-from qdiff.metrics import logit_metrics, summarise
+from qdiff.forcing import compare_forced, first_step_metrics, with_probabilities
+from qdiff.metrics import METRICS, logit_metrics, summarise
 from qdiff.records import failure_text
 
 
@@ -24,10 +26,11 @@ def distance(
     exact: dict[str, np.ndarray],
     exact_prompts: list[str],
     record: dict[str, Any],
-    logits: np.ndarray,
+    logits: np.ndarray | None,
     forced: tuple[dict[str, Any], dict[str, np.ndarray]] | None,
 ) -> dict[str, Any]:
-    """One combination's distance from exact, or why there is none."""
+    """One combination's distance from exact, or why there is none. ``logits`` None: the
+    run kept none (first_step_logits: top_k), so its first step is the forced pass's."""
     row: dict[str, Any] = {"combination": label(record), "dequant": record["dequant"]}
     if record["status"] != "ok":
         return {**row, "status": "n/a", "reason": f"{record['status']}: {failure_text(record)}"}
@@ -38,7 +41,14 @@ def distance(
             "status": "n/a",
             "reason": "the run and the exact reference have other prompts",
         }
-    values = logit_metrics(exact["first_logits"], logits.astype(np.float64))
+    if logits is not None:
+        values = logit_metrics(exact["first_logits"], logits.astype(np.float64))
+    elif forced is not None and forced[0]["status"] == "ok":
+        values = _first_steps_from_forced(exact, ids, forced[0], forced[1])
+        row["first_step_top_k"] = int(forced[0]["top_k"])
+    else:
+        reason = "no first-step logits (first_step_logits: top_k) and no teacher-forced pass"
+        return {**row, "status": "n/a", "reason": reason}
     summary = summarise(values)
     row.update(
         status="ok",
@@ -53,7 +63,9 @@ def distance(
             "top1_agree": int(summary["top1_agree_count"]),
         },
     )
-    if "first_logits_cpu_roundings" in exact:  # exact, but with two of llama.cpp's CPU roundings
+    if (
+        "first_logits_cpu_roundings" in exact and logits is not None
+    ):  # exact, but with two of llama.cpp's CPU roundings
         emulated = logit_metrics(exact["first_logits_cpu_roundings"], logits.astype(np.float64))
         row["first_step_vs_cpu_roundings"] = {"max_abs": float(emulated["max_abs"].max())}
     if forced is not None:
@@ -75,6 +87,21 @@ def distance(
                 }
             )
     return row
+
+
+def _first_steps_from_forced(
+    exact: dict[str, np.ndarray],
+    ids: list[str],
+    record: dict[str, Any],
+    data: dict[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """Every PAIR_METRIC per prompt of exact vs a forced pass's position 0, over the slice."""
+    exact, data = with_probabilities(exact), with_probabilities(data)
+    rows = [
+        first_step_metrics(exact, data, k, record["prompt_ids"].index(pid))
+        for k, pid in enumerate(ids)
+    ]
+    return {key: np.array([r[key] for r in rows]) for key in METRICS}
 
 
 def closest(rows: list[dict[str, Any]]) -> str | None:

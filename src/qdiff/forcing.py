@@ -162,6 +162,60 @@ def _kl(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> np.ndarray:
     return np.maximum(inner + tail, 0.0)
 
 
+def _logit_of(side: dict[str, np.ndarray], p: int, t: int, token: int) -> float:
+    """One side's exact logit of ``token`` at (p, t) where it kept it (its two leading tokens
+    and the slice), else NaN: not known."""
+    for ids, logits in (
+        (side["top_ids"], side["top_logits"]),
+        (side["slice_ids"], side["slice_logits"]),
+    ):
+        hit = np.nonzero(ids[p, t] == token)[0]
+        if hit.size:
+            return float(logits[p, t, hit[0]])
+    return float("nan")
+
+
+def first_step_metrics(
+    a: dict[str, np.ndarray], b: dict[str, np.ndarray], pa: int, pb: int
+) -> dict[str, Any]:
+    """Every PAIR_METRIC (qdiff.metrics) of one prompt's first step, from two forced passes'
+    position 0 (rows ``pa`` of a, ``pb`` of b; both ``with_probabilities``): how first steps
+    compare when runs keep no full logits (``first_step_logits: top_k``).
+
+    Exact as over the full vocabulary: top-1 agreement, a's margin and bit-identity (the
+    digest). Over the teacher's slice: max |Δ| (a lower bound of the full one), mean |Δ|,
+    RMS and NMSE; KL both ways over the slice plus the tail (lower bounds); Δp where the
+    token's logit was kept (NaN where it was not)."""
+    ids_a, ids_b = a["slice_ids"][pa, 0], b["slice_ids"][pb, 0]
+    if not np.array_equal(ids_a, ids_b):
+        raise ValueError("the two forced passes kept different token ids at the first step")
+    kept = ids_a >= 0
+    xa = a["slice_logits"][pa, 0][kept].astype(np.float64)
+    delta = b["slice_logits"][pb, 0][kept].astype(np.float64) - xa
+    squares = float(np.dot(delta, delta))
+    identical = bool(a["digest"][pa, 0] == b["digest"][pb, 0])
+    at_a = {k: v[pa, 0] for k, v in a.items() if k in ("probs", "log_probs", "tail", "log_tail")}
+    at_b = {k: v[pb, 0] for k, v in b.items() if k in ("probs", "log_probs", "tail", "log_tail")}
+    top_a, top_b = int(a["top_ids"][pa, 0, 0]), int(b["top_ids"][pb, 0, 0])
+
+    def prob(side: dict[str, np.ndarray], p: int, token: int) -> float:
+        return float(np.exp(_logit_of(side, p, 0, token) - side["lse"][p, 0]))
+
+    return {
+        "max_abs": float(np.abs(delta).max(initial=0.0)),
+        "mean_abs": float(np.abs(delta).mean()) if delta.size else 0.0,
+        "rms": float(np.sqrt(squares / max(delta.size, 1))),
+        "nmse": squares / max(float(np.dot(xa, xa)), float(np.finfo(float).tiny)),
+        "kl": 0.0 if identical else float(_kl(at_a, at_b)),
+        "kl_ba": 0.0 if identical else float(_kl(at_b, at_a)),
+        "dp_top": prob(b, pb, top_a) - prob(a, pa, top_a),
+        "dp_top_ba": prob(a, pa, top_b) - prob(b, pb, top_b),
+        "top1_margin_a": float(a["top_logits"][pa, 0, 0] - a["top_logits"][pa, 0, 1]),
+        "top1_agree": top_a == top_b,
+        "bit_identical": identical,
+    }
+
+
 def _preference(side: dict[str, np.ndarray], p: int, t: int, other: int) -> tuple[float, bool]:
     """How much one side prefers its own top token (exact logit) over the other side's
     token (from the slice; when that token is outside the slice, a lower bound)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, TypedDict
 
-RECORD_FORMAT = 2  # bump when a record's fields change (a param of every stage's rule)
+RECORD_FORMAT = 3  # bump when a record's fields change (a param of every stage's rule)
 
 
 class ErrorInfo(TypedDict, total=False):
@@ -66,6 +66,9 @@ class PairResult(TypedDict, total=False):
     status: str  # ok | n/a | failed
     reason: str
     summary: dict[str, Any]  # qdiff.metrics summaries over prompts
+    # the tokens first steps compare over: None for the full vocabulary, else the teacher's
+    # top-k (first_step_logits: top_k; qdiff.forcing.first_step_metrics)
+    first_step_top_k: int | None
     prompts: list[dict[str, Any]]
     forced: dict[str, Any]  # qdiff.forcing.compare_forced, or why there is none
 

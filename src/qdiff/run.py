@@ -110,7 +110,6 @@ def _write_failure(
     status: str,
     error: records.ErrorInfo,
     record_path: Path,
-    data_path: Path,
     token: str | None,
 ) -> str:
     prov = {**machine(), "model_file": worker_spec.get("model_info", {})}
@@ -125,15 +124,16 @@ def run_stage(
     spec: dict[str, Any],
     inputs: dict[str, str],
     record_path: Path,
-    data_path: Path,
+    data_path: Path | None,
     log_path: Path,
     token: str | None,
     strict_devices: bool = False,
     timeout_s: float = 3600.0,
 ) -> str:
     """Run ``stage`` of the combination ``spec`` describes (``spec["repeats"]`` times for a
-    generation, each in a fresh process); write the record and data file of the first
-    attempt; return the status. ``inputs`` are the rule's named input files (``model`` and
+    generation, each in a fresh process); write the record and, unless ``data_path`` is
+    None (a run that keeps no first-step logits), the data file of the first attempt;
+    return the status. ``inputs`` are the rule's named input files (``model`` and
     its sidecar ``info`` first); ``token`` is the rule's retry_token param."""
     model_info = read_json(Path(inputs["info"]))
     worker_spec = {
@@ -147,7 +147,7 @@ def run_stage(
             "kind": "upstream",
             "message": f"model file {model_info['file']} is missing: {records.failure_text(model_info)}",
         }
-        return _write_failure(stage, worker_spec, "failed", error, record_path, data_path, token)
+        return _write_failure(stage, worker_spec, "failed", error, record_path, token)
     record_path.parent.mkdir(parents=True, exist_ok=True)
     for stale in record_path.parent.glob(".run-*"):  # left by a killed job of this stage
         shutil.rmtree(stale, ignore_errors=True)
@@ -163,7 +163,8 @@ def run_stage(
             record = {**read_json(attempts[0] / "record.json"), "run_token": token}
             if len(attempts) > 1:
                 record["determinism"] = determinism(attempts)
-            os.replace(attempts[0] / stage.data_file, data_path)
+            if data_path is not None:
+                os.replace(attempts[0] / stage.data_file, data_path)
             write_json(record_path, record)
             return "ok"
         last = attempts[-1]
@@ -191,4 +192,4 @@ def run_stage(
         raise StopWorkflow(
             f"device {spec['device']!r}: {outcome['message']} (strict_devices is on)"
         )
-    return _write_failure(stage, worker_spec, status, outcome, record_path, data_path, token)
+    return _write_failure(stage, worker_spec, status, outcome, record_path, token)

@@ -2,8 +2,9 @@
 
 A tolerance is only as good as the data it was checked against, so each one says what it
 covers: which pairs (grouped by what changed between them: another backend or GPU, or only
-settings on the same device), the first-step logits over the full vocabulary, and, where
-teacher forcing ran, every later position over the logits it keeps (the teacher's top-k).
+settings on the same device), the first-step logits over the full vocabulary (over the
+teacher's top-k when runs keep no more, ``first_step_logits: top_k``), and, where teacher
+forcing ran, every later position over the logits it keeps (the teacher's top-k).
 The recommended ``atol`` is 1.5× the largest difference over all of that, rounded up, so no
 compared value exceeds it; the headroom is shown.
 """

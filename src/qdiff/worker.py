@@ -21,7 +21,7 @@ from qdiff.engine.capture import TensorCapture
 from qdiff.engine.devices import backend_devices, devices_for_backend, system_info
 from qdiff.engine.log import LlamaLog
 from qdiff.engine.model import ContextError, Generation, LoadedModel, ModelLoadError
-from qdiff.io import load_array, load_arrays, read_json, save_array, save_arrays, write_json
+from qdiff.io import load_arrays, read_json, save_array, save_arrays, write_json
 from qdiff.llamalog import parse_placement, placement_problem
 from qdiff.run import ERROR_FILE, ERRORS_FILE, EXIT_ERROR, EXIT_MISPLACED, EXIT_OK, EXIT_UNAVAILABLE
 from qdiff.settings import DeviceSettings
@@ -101,6 +101,9 @@ def _prompt_record(prompt: dict[str, Any], gen: Generation) -> dict[str, Any]:
         "tokens": gen.tokens,
         "text": gen.text,
         "stopped_at_eog": gen.stopped_at_eog,
+        # bit-identity of the first step without its logits (first_step_logits: top_k), and
+        # the forced pass's self-check
+        "first_logits_digest": forcing.digest(gen.first_logits),
         "prompt_ms": round(1000 * gen.prompt_seconds, 3),
         "decode_ms_per_token": (
             round(1000 * float(np.mean(gen.decode_seconds)), 3) if gen.decode_seconds else None
@@ -109,7 +112,8 @@ def _prompt_record(prompt: dict[str, Any], gen: Generation) -> dict[str, Any]:
 
 
 def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
-    """Greedy generation from every prompt: the record and the first-step logits."""
+    """Greedy generation from every prompt: the record and the first-step logits (which
+    the parent keeps or drops, qdiff.config's ``first_step_logits``)."""
     generation = spec["generation"]
     loaded, prov = _load(spec, log)
     results: list[tuple[dict[str, Any], Generation]] = []
@@ -165,7 +169,11 @@ def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     """Teacher forcing (qdiff.forcing): every prompt fed the teacher's greedy output."""
     run, teacher = _teacher(spec)
     sequences = {p["id"]: p["tokens"] for p in run["prompts"]}
-    own_first = load_array(Path(spec["inputs"]["own_logits"]))  # this combination's free run
+    # this combination's free run: its first steps' digests, for the self-check
+    own_first = {
+        p["id"]: p["first_logits_digest"]
+        for p in read_json(Path(spec["inputs"]["own_run"]))["prompts"]
+    }
     prompts = spec["prompts"]
     max_len = max((len(sequences[p["id"]]) for p in prompts), default=0)
     loaded, prov = _load(spec, log)
@@ -185,10 +193,8 @@ def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
 
             seconds += loaded.force(tokens, forced, keep)
             positions += len(forced)
-            if own_first.shape[0] == len(prompts) and forced:
-                first_step_same += int(
-                    recorder.arrays["digest"][p, 0] == forcing.digest(own_first[p])
-                )
+            if forced and prompt["id"] in own_first:
+                first_step_same += int(recorder.arrays["digest"][p, 0] == own_first[prompt["id"]])
         arrays = recorder.arrays
         leading = np.unique(arrays["top_ids"][arrays["top_ids"] >= 0])
         pieces = {int(t): loaded.detokenize([int(t)]) for t in leading}  # for the report

@@ -8,8 +8,7 @@ rule run_combination:
     input:
         unpack(combination_inputs),
     output:
-        record=RUN.record_pattern,
-        data=RUN.data_pattern,
+        **stage_outputs(RUN),
     log:
         RUN.log_pattern,
     benchmark:
@@ -34,8 +33,7 @@ use rule run_combination as force_combination with:
     input:
         unpack(forced_inputs),
     output:
-        record=FORCED.record_pattern,
-        data=FORCED.data_pattern,
+        **stage_outputs(FORCED),
     log:
         FORCED.log_pattern,
     benchmark:
@@ -53,8 +51,7 @@ use rule run_combination as force_combination with:
 # Tensor capture (qdiff.localise): the named intermediate tensors of one forward pass.
 use rule run_combination as capture_combination with:
     output:
-        record=CAPTURE.record_pattern,
-        data=CAPTURE.data_pattern,
+        **stage_outputs(CAPTURE),
     log:
         CAPTURE.log_pattern,
     benchmark:

@@ -85,7 +85,8 @@ def all_targets(wildcards):
     targets = list(REPORT_FILES)
     for combo in EXPERIMENT.all_combinations():
         for stage in ENABLED_STAGES:
-            targets += [stage.record(combo), stage.data(combo)]
+            targets += [stage.record(combo)]
+            targets += [stage.data(combo)] if EXPERIMENT.keeps_data(stage) else []
     targets += [compare_file(m) for m in EXPERIMENT.run_models]
     if EXPERIMENT.capture_enabled:
         targets += [localise_file(m) for m in EXPERIMENT.run_models]
@@ -158,14 +159,14 @@ def combination_inputs(wildcards):
 
 
 def forced_inputs(wildcards):
-    """A forced pass also needs its own free run (a self-check), the teacher's run (the
-    sequences) and, unless it is the teacher, the teacher's forced pass (slice ids)."""
+    """A forced pass also needs its own free run's record (a self-check against its
+    first-step digests), the teacher's run (the sequences) and, unless it is the teacher,
+    the teacher's forced pass (slice ids)."""
     combo = combo_of(wildcards)
     teacher = EXPERIMENT.teacher(combo.model)
     inputs = {
         **combination_inputs(wildcards),
         "own_run": RUN.record(combo),
-        "own_logits": ancient(RUN.data(combo)),
         "teacher_run": RUN.record(teacher),
     }
     if combo != teacher:
@@ -188,6 +189,21 @@ def stage_retry_token(stage):
         return retry_token(stage.record(combo_of(wildcards)))
 
     return token
+
+
+def stage_outputs(stage):
+    """A per-combination rule's outputs: its record and, where it keeps one, its data file."""
+    outputs = {"record": stage.record_pattern}
+    if EXPERIMENT.keeps_data(stage):
+        outputs["data"] = stage.data_pattern
+    return outputs
+
+
+def data_files(stage, combos):
+    """A stage's data files of ``combos`` (none where it keeps none), as inputs."""
+    if not EXPERIMENT.keeps_data(stage):
+        return []
+    return [ancient(stage.data(c)) for c in combos]
 
 
 def stage_resources(stage):
@@ -242,7 +258,7 @@ def compare_inputs(wildcards):
     forcing = EXPERIMENT.forcing_enabled
     return {
         "records": [RUN.record(c) for c in combos],
-        "logits": [ancient(RUN.data(c)) for c in combos],
+        "logits": data_files(RUN, combos),
         "forced_records": [FORCED.record(c) for c in combos] if forcing else [],
         "forced": [ancient(FORCED.data(c)) for c in combos] if forcing else [],
     }
@@ -314,7 +330,7 @@ def distance_inputs(wildcards):
         "exact_record": f"{exact_dir(wildcards.model)}/record.json",
         "exact_data": ancient(f"{exact_dir(wildcards.model)}/exact.npz"),
         "records": [RUN.record(c) for c in combos],
-        "logits": [ancient(RUN.data(c)) for c in combos],
+        "logits": data_files(RUN, combos),
     }
     if EXPERIMENT.forcing_enabled:
         inputs["forced_records"] = [FORCED.record(c) for c in combos]
@@ -348,7 +364,7 @@ def stage_files(stage, kind):
         return []
     if kind == "record":
         return [stage.record(c) for c in EXPERIMENT.all_combinations()]
-    return [ancient(stage.data(c)) for c in EXPERIMENT.all_combinations()]
+    return data_files(stage, EXPERIMENT.all_combinations())
 
 
 def report_inputs(wildcards):

@@ -14,7 +14,7 @@ forcing = bool(i.forced_records)
 files = {
     combo: RunFiles(
         Path(i.records[k]),
-        Path(i.logits[k]),
+        Path(i.logits[k]) if i.logits else None,  # none with first_step_logits: top_k
         Path(i.forced_records[k]) if forcing else None,
         Path(i.forced[k]) if forcing else None,
     )

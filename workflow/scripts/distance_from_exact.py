@@ -4,6 +4,7 @@ from pathlib import Path
 
 from qdiff import jobs, records
 from qdiff.distance import closest, distance
+from qdiff.forcing import with_probabilities
 from qdiff.io import load_array, load_arrays, read_json, write_json
 
 i, output, model = snakemake.input, Path(snakemake.output[0]), snakemake.wildcards.model
@@ -22,17 +23,19 @@ def body(job: jobs.Job) -> None:
             },
         )
         return
-    arrays = load_arrays(Path(i.exact_data))
+    arrays = with_probabilities(load_arrays(Path(i.exact_data)))  # once for every row
     forced = "forced_records" in i.keys()  # noqa: SIM118 - a Namedlist: `in` looks at values
     rows = []
-    for k, (rec, logits) in enumerate(zip(i.records, i.logits, strict=True)):
+    # no logits with first_step_logits: top_k: first steps come from the forced passes
+    logits_files = i.logits or [None] * len(i.records)
+    for k, (rec, logits) in enumerate(zip(i.records, logits_files, strict=True)):
         record = read_json(Path(rec))
         pass_ = None
         if forced:
             forced_record = read_json(Path(i.forced_records[k]))
             ok = forced_record["status"] == "ok"
             pass_ = (forced_record, load_arrays(Path(i.forced_data[k])) if ok else {})
-        run_logits = load_array(Path(logits)) if record["status"] == "ok" else None
+        run_logits = load_array(Path(logits)) if logits and record["status"] == "ok" else None
         rows.append(distance(arrays, exact["prompt_ids"], record, run_logits, pass_))
     write_json(
         job.out(output),

@@ -29,10 +29,13 @@ def body(job: jobs.Job) -> None:
         plot_href=Path(out.plots).name,
         writeup_claims=snakemake.params.writeup_claims,
         reference=snakemake.params.reference,
+        # none with first_step_logits: top_k: the report says what it cannot draw
         logits={
             Combination.from_record(r): Path(p)
             for r, p in zip(records, snakemake.input.logits, strict=True)
-        },
+        }
+        if snakemake.input.logits
+        else {},
     )
 
 

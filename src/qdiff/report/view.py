@@ -34,6 +34,25 @@ class ModelView:
         return [p for p in self.pairs if p["status"] == "ok"]
 
     @cached_property
+    def first_step_top_k(self) -> int | None:
+        """The tokens first steps were compared over: None for the full vocabulary, else
+        the teacher's top-k (``first_step_logits: top_k``, qdiff.compare)."""
+        return next(
+            (p["first_step_top_k"] for p in self.ok_pairs if p.get("first_step_top_k")), None
+        )
+
+    @property
+    def first_step_tokens(self) -> str:
+        """What a first-step figure of this model is over, in words."""
+        if self.first_step_top_k is None:
+            return "over the full vocabulary"
+        return (
+            f"over the teacher's top {self.first_step_top_k} tokens (runs keep no full "
+            "first-step logits, `first_step_logits: top_k`: max |Δ| and KL are lower bounds of "
+            "the full vocabulary's; top-1 and bit-identity are exact)"
+        )
+
+    @cached_property
     def forced_pairs(self) -> list[dict[str, Any]]:
         return [p for p in self.pairs if p.get("forced", {}).get("status") == "ok"]
 

@@ -7,15 +7,25 @@ from typing import Any
 from qdiff.report.fmt import cell, code, count, num, table
 from qdiff.report.view import ModelView
 
-LEGEND = (
-    "The exact answer is the model's own definition computed in float64 from the GGUF's "
-    "weights (dequantized exactly as llama.cpp does), with no fp16 table, no KV-cache "
-    "rounding and no summation order of any backend (`src/qdiff/exact.py`). Every "
-    "combination is measured against it: at the first step over the full vocabulary (KL is "
-    "KL(exact ‖ combination)), and along the teacher's text at every forced position over "
-    "the logits teacher forcing keeps. ★ marks the combination closest to exact (smallest "
-    "first-step max \\|Δ\\|). An f16 copy's distance includes the rounding of its weights."
-)
+
+def legend(view: ModelView) -> str:
+    rows = view.exact["rows"] if view.exact else []
+    top_k = next((r["first_step_top_k"] for r in rows if r.get("first_step_top_k")), None)
+    first_step = (
+        "over the full vocabulary"
+        if top_k is None
+        else f"over the teacher's top {top_k} tokens (runs keep no full first-step logits: "
+        "max \\|Δ\\| and KL are lower bounds)"
+    )
+    return (
+        "The exact answer is the model's own definition computed in float64 from the GGUF's "
+        "weights (dequantized exactly as llama.cpp does), with no fp16 table, no KV-cache "
+        "rounding and no summation order of any backend (`src/qdiff/exact.py`). Every "
+        f"combination is measured against it: at the first step {first_step} (KL is "
+        "KL(exact ‖ combination)), and along the teacher's text at every forced position over "
+        "the logits teacher forcing keeps. ★ marks the combination closest to exact (smallest "
+        "first-step max \\|Δ\\|). An f16 copy's distance includes the rounding of its weights."
+    )
 
 
 def _forced_cells(row: dict[str, Any]) -> dict[str, str]:
@@ -62,7 +72,7 @@ def exact_distance(view: ModelView) -> str:
         )
     timings = exact["timings"]
     head = (
-        f"{LEGEND}\n\nExact reference of `{exact['model_file']['file']}` ({exact['architecture']}, "
+        f"{legend(view)}\n\nExact reference of `{exact['model_file']['file']}` ({exact['architecture']}, "
         f"along `{exact['teacher']}`'s text: {len(exact['prompt_ids'])} prompts, "
         f"{exact['n_positions']} positions): {timings['total_s']:.1f} s, peak memory "
         f"{exact['peak_rss_mib']:.0f} MiB."

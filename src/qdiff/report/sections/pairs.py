@@ -13,15 +13,17 @@ from qdiff.report.fmt import code, count, num, table
 from qdiff.report.view import ModelView
 from qdiff.tolerance import HEADROOM, tolerances
 
-LEGEND = (
-    "Every pair compares two combinations of the same model on the same prompts. Logit "
-    "metrics are over the full vocabulary at the first generated position (the prompt's last "
-    "token), with the left combination as reference: "
-    + "; ".join(f"**{m.header}**: {m.note}" for m in PAIR_METRICS if m.shown)
-    + ". Statistics are over prompts (max |Δ| is the largest, NMSE and KL means unless "
-    "named). **forked**: prompts whose greedy texts differ; **first fork**: the earliest "
-    "generated step (0-based) where two texts differ."
-)
+
+def legend(view: ModelView) -> str:
+    return (
+        "Every pair compares two combinations of the same model on the same prompts. Logit "
+        f"metrics are {view.first_step_tokens}, at the first generated position (the prompt's "
+        "last token), with the left combination as reference: "
+        + "; ".join(f"**{m.header}**: {m.note}" for m in PAIR_METRICS if m.shown)
+        + ". Statistics are over prompts (max |Δ| is the largest, NMSE and KL means unless "
+        "named). **forked**: prompts whose greedy texts differ; **first fork**: the earliest "
+        "generated step (0-based) where two texts differ."
+    )
 
 
 def _metric_cells(summary: dict[str, Any]) -> dict[str, str]:
@@ -58,7 +60,7 @@ def pairs_table(view: ModelView) -> str:
                 "first fork": "none" if s["first_fork_step"] is None else str(s["first_fork_step"]),
             }
         )
-    return LEGEND + "\n\n" + table(rows)
+    return legend(view) + "\n\n" + table(rows)
 
 
 def _oriented(pair: dict[str, Any], reference: str) -> list[tuple[float, float, bool]]:
@@ -107,6 +109,10 @@ def tolerance_table(view: ModelView) -> str:
     if not rows:
         return "_No two combinations ran the same file on different devices or settings: no tolerance to recommend._"
     out = []
+    top_k = view.first_step_top_k
+    first_step_column = "first step, " + (
+        "full vocabulary" if top_k is None else f"teacher's top {top_k}"
+    )
     for t in rows:
         forced = (
             f"{num(t.forced_max)} (`{t.forced_where}`), {t.forced_values} positions × top {t.top_k}"
@@ -117,7 +123,7 @@ def tolerance_table(view: ModelView) -> str:
             {
                 "between": t.scope,
                 "file": t.dequant,
-                "first step, full vocabulary": f"{num(t.first_step_max)} (`{t.first_step_where}`), {t.first_step_values} prompts",
+                first_step_column: f"{num(t.first_step_max)} (`{t.first_step_where}`), {t.first_step_values} prompts",
                 "along the text, kept logits": forced,
                 "top-1 agrees": count(*t.top1_first_step)
                 + (f"; {count(*t.top1_forced)} positions" if t.top1_forced else ""),
@@ -128,7 +134,13 @@ def tolerance_table(view: ModelView) -> str:
         )
     first = next((t for t in rows if t.dequant == "none"), rows[0])
     covers = (
-        f"the first-step logits of {first.first_step_values} prompt comparisons over the full vocabulary"
+        f"the first-step logits of {first.first_step_values} prompt comparisons "
+        + (
+            "over the full vocabulary"
+            if top_k is None
+            else f"over the teacher's top {top_k} tokens (runs keep no more: the full "
+            "vocabulary may differ more)"
+        )
         + (
             f" and {first.forced_values} teacher-forced positions over the teacher's top {first.top_k} "
             "tokens (qdiff keeps no more there; the full vocabulary may differ more at those "

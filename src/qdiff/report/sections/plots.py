@@ -24,7 +24,8 @@ def overview_plots(view: ModelView) -> str:
         values[i, j] = values[j, i] = headline(p)
     heat = view.plot("heatmap")
     assert heat is not None
-    plots.heatmap(labels, values, heat, f"{view.model}: pairwise max |Δ|")
+    scope = "" if view.first_step_top_k is None else f" (teacher's top {view.first_step_top_k})"
+    plots.heatmap(labels, values, heat, f"{view.model}: pairwise max |Δ|{scope}")
     worst = max(view.ok_pairs, key=headline)
     pair = Pair.from_result(worst)
     k = max(range(len(worst["prompts"])), key=lambda i: worst["prompts"][i]["max_abs"])
@@ -34,6 +35,8 @@ def overview_plots(view: ModelView) -> str:
         f"Per-token |Δ| over the vocabulary for the largest pair, `{pair.a.label}` vs "
         f"`{pair.b.label}`, on prompt `{prompt}`:"
     )
+    if view.first_step_top_k is not None:
+        return f"{head} _not drawn: the runs keep no full first-step logits (`first_step_logits: top_k`)._"
     if pair.a not in view.logits or pair.b not in view.logits:  # a report re-rendered from records
         return f"{head} _not drawn: the runs' logits (`logits.npy`) are not available here._"
     hist = view.plot("largest-pair")
