@@ -624,6 +624,7 @@ def test_runs_that_keep_only_the_top_k_compare_first_steps_on_the_forced_slice(
     ws.snakemake()
     summary = (ws.root / "results/summary.md").read_text()
     assert "over the teacher's top 411 tokens" in summary
+    assert "**Runs kept no full first-step logits**" in summary.split("## What this")[0]
     assert "not drawn: the runs keep no full first-step logits" in summary
     for model in ("tiny", "tiny.requant-q8_0"):
         full = {(p["a"], p["b"]): p for p in finished.pairs(model)}

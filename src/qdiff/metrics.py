@@ -55,7 +55,7 @@ PAIR_METRICS: tuple[PairMetric, ...] = (
         "max_abs", "max \\|Δ\\|", "largest |b − a| of any logit", ("max", "median", "p90"), ("max",)
     ),
     PairMetric(
-        "mean_abs", "mean \\|Δ\\|", "mean |b − a| over the vocabulary", ("mean",), ("mean",)
+        "mean_abs", "mean \\|Δ\\|", "mean |b − a| over the tokens compared", ("mean",), ("mean",)
     ),
     PairMetric("rms", "RMS", "root mean square of b − a", ("rms",), ("rms",)),
     PairMetric(

@@ -85,6 +85,20 @@ def render_model(view: ModelView) -> list[str]:
     return out
 
 
+def _first_step_scope(views: list[ModelView]) -> list[str]:
+    """A warning under the title when first steps were compared over a slice only."""
+    top_k = sorted({v.first_step_top_k for v in views if v.first_step_top_k is not None})
+    if not top_k:
+        return []
+    return [
+        "",
+        "**Runs kept no full first-step logits** (`first_step_logits: top_k`): every "
+        f"first-step max |Δ|, RMS, NMSE and KL in this report, the diagnosis's included, is "
+        f"over the teacher's top {'/'.join(map(str, top_k))} tokens, a lower bound "
+        "of the full vocabulary's. Top-1 agreement, margins and bit-identity are exact.",
+    ]
+
+
 def render(
     views: list[ModelView], records: list[dict[str, Any]], writeup_claims: bool = False
 ) -> str:
@@ -100,6 +114,7 @@ def render(
         f"{plural(len(dequants), 'dequant mode')}, {plural(n_prompts, 'prompt')} each: "
         f"{plural(status['ok'], 'combination')} ran, "
         f"{status['failed']} failed, {status['unavailable']} left out.",
+        *_first_step_scope(views),
         "",
         "## What this experiment found",
         "",

@@ -21,8 +21,8 @@ def legend(view: ModelView) -> str:
         "The exact answer is the model's own definition computed in float64 from the GGUF's "
         "weights (dequantized exactly as llama.cpp does), with no fp16 table, no KV-cache "
         "rounding and no summation order of any backend (`src/qdiff/exact.py`). Every "
-        f"combination is measured against it: at the first step {first_step} (KL is "
-        "KL(exact ‖ combination)), and along the teacher's text at every forced position over "
+        f"combination is measured against it: at the first step {first_step}, with KL as "
+        "KL(exact ‖ combination), and along the teacher's text at every forced position over "
         "the logits teacher forcing keeps. ★ marks the combination closest to exact (smallest "
         "first-step max \\|Δ\\|). An f16 copy's distance includes the rounding of its weights."
     )
