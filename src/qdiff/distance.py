@@ -63,9 +63,8 @@ def distance(
             "top1_agree": int(summary["top1_agree_count"]),
         },
     )
-    if (
-        "first_logits_cpu_roundings" in exact and logits is not None
-    ):  # exact, but with two of llama.cpp's CPU roundings
+    # exact, but with two of llama.cpp's CPU roundings: a full-vocabulary comparison only
+    if "first_logits_cpu_roundings" in exact and logits is not None:
         emulated = logit_metrics(exact["first_logits_cpu_roundings"], logits.astype(np.float64))
         row["first_step_vs_cpu_roundings"] = {"max_abs": float(emulated["max_abs"].max())}
     if forced is not None:
