@@ -188,6 +188,10 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
             changed(first_step_logits="top_k", reference="cpu.none", reference_model="tiny"),
             "config.first_step_logits: top_k cannot measure against reference_model",
         ),
+        (
+            changed(first_step_logits="top_k", report={"writeup_claims": True}),
+            "config.first_step_logits: top_k cannot check report.writeup_claims",
+        ),
     ],
 )
 def test_bad_config_names_the_key(config: dict, expected: str) -> None:

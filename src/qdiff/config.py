@@ -148,12 +148,6 @@ class Experiment:
         return bool(self.teacher_forcing and self.teacher_forcing["enabled"])
 
     @property
-    def keeps_first_logits(self) -> bool:
-        """Whether runs keep their full first-step logits (logits.npy); otherwise first
-        steps compare on the forced pass's position 0 (``first_step_logits: top_k``)."""
-        return self.first_step_logits == "full"
-
-    @property
     def capture_enabled(self) -> bool:
         return bool(self.capture and self.capture["enabled"])
 
@@ -166,8 +160,8 @@ class Experiment:
 
     def keeps_data(self, stage: Stage) -> bool:
         """Whether a stage's jobs write its data file: every stage does, except a run with
-        ``first_step_logits: top_k``."""
-        return stage is not RUN or self.keeps_first_logits
+        ``first_step_logits: top_k`` (its first steps are then the forced pass's position 0)."""
+        return stage is not RUN or self.first_step_logits == "full"
 
     def spec(self, stage: Stage, combo: Combination) -> dict[str, Any]:
         """The slice of the config one stage's job depends on: its params."""
@@ -515,6 +509,11 @@ def validate(
             problems.append(
                 "config.first_step_logits: top_k cannot measure against reference_model, "
                 "which compares two models' full first-step logits; use full"
+            )
+        if data["report"]["writeup_claims"]:
+            problems.append(
+                "config.first_step_logits: top_k cannot check report.writeup_claims, whose "
+                "bounds need the full vocabulary's max |Δ| (top_k gives a lower bound); use full"
             )
     if problems:
         raise ConfigError(problems)
