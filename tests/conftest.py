@@ -133,6 +133,19 @@ def tiny_config(model_path: Path, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+def quantize_in_child(src: Path, dst: Path, target: str) -> None:
+    """llama_model_quantize in a child process, as the workflow runs it: a crash of
+    llama.cpp's native code then fails one test, never the whole test session."""
+    code = (
+        "import sys; from pathlib import Path; from qdiff.quant import quantize; "
+        f"sys.exit(quantize(Path({str(src)!r}), Path({str(dst)!r}), {target!r}, 1))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, (
+        f"quantize to {target} failed ({proc.returncode}): {proc.stderr[-2000:]}"
+    )
+
+
 @pytest.fixture
 def workspace(tmp_path: Path) -> Workspace:
     return Workspace(tmp_path / "ws")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, Workspace, tiny_config
+from conftest import REPO, Workspace, quantize_in_child, tiny_config
 from tinymodel import write_tiny_llama
 
 pytestmark = pytest.mark.workflow
@@ -578,10 +578,8 @@ def test_another_model_as_the_reference(
 ) -> None:
     """The F16 original and its Q8_0 and Q4_0 children: each child's combinations measured
     against the original's run and its exact answer; more bits, closer."""
-    from qdiff.quant import quantize
-
     original = tmp_path / "original-f16.gguf"
-    assert quantize(tiny_gguf, original, "f16", 1) == 0
+    quantize_in_child(tiny_gguf, original, "f16")
     config = tiny_config(original, dequant=["none"], reference="cpu.none", reference_model="orig")
     config["models"] = {"orig": {"path": str(original), "requantize": ["q8_0", "q4_0"]}}
     config["capture"] = {"enabled": False}
