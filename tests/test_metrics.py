@@ -15,7 +15,7 @@ from qdiff.forcing import ForcedRecorder
 from qdiff.hashcache import HashCache
 from qdiff.io import save_arrays
 from qdiff.labels import Combination, Pair
-from qdiff.metrics import PAIR_METRICS, fork_step, logit_metrics, summarise
+from qdiff.metrics import BLOCK, PAIR_METRICS, fork_step, logit_metrics, summarise
 
 
 def test_logit_metrics_match_their_definitions() -> None:
@@ -127,7 +127,7 @@ def test_what_differs_lists_backend_first() -> None:
 
 
 def test_the_metrics_match_their_float64_definitions_on_a_large_vocabulary() -> None:
-    """``compare_sides`` reads only delta = b - a (and lse) for every metric; against the
+    """``compare_rows`` reads only delta = b - a (and lse) for every metric; against the
     textbook float64 formulas it agrees to rounding, also for runs that barely differ."""
     rng = np.random.default_rng(1)
     a = rng.normal(scale=4.0, size=(3, 50_000)).astype(np.float32)
@@ -174,8 +174,10 @@ def write_run(tmp_path: Path, device: str, logits: np.ndarray, tokens: list[list
 
 
 def test_comparing_a_model_in_bulk_equals_comparing_each_pair_alone(tmp_path: Path) -> None:
+    """Bit for bit: one sweep over every run's rows gives each pair what a sweep over its two
+    rows gives, across several blocks of the vocabulary."""
     rng = np.random.default_rng(2)
-    base = rng.normal(size=(4, 300)).astype(np.float32)
+    base = rng.normal(size=(4, 2 * BLOCK + 300)).astype(np.float32)
     logits = {d: base + rng.normal(scale=0.05, size=base.shape).astype(np.float32) for d in "xyz"}
     tokens = {"x": [[1], [2], [3], [4]], "y": [[1], [2], [9], [4]], "z": [[1], [2], [3], [4]]}
     files = {
@@ -191,6 +193,21 @@ def test_comparing_a_model_in_bulk_equals_comparing_each_pair_alone(tmp_path: Pa
             logits[pair.b.device],
         )
         assert result == alone
+
+
+def test_a_run_of_another_vocabulary_fails_only_its_own_pairs(tmp_path: Path) -> None:
+    rng = np.random.default_rng(4)
+    sizes = {"x": 50, "y": 50, "z": 60}
+    files = {
+        Combination("m", d, "none"): write_run(
+            tmp_path, d, rng.normal(size=(2, n)).astype(np.float32), [[1], [2]]
+        )
+        for d, n in sizes.items()
+    }
+    pairs = [Pair(a, b) for a, b in itertools.combinations(files, 2)]
+    results = compare_model(pairs, files)
+    assert [r["status"] for r in results] == ["ok", "failed", "failed"]
+    assert "logit shapes differ: (50,) vs (60,)" in results[1]["reason"]
 
 
 def test_a_changed_run_recomputes_only_its_pairs_and_a_broken_one_fails_only_its_own(

@@ -1,8 +1,8 @@
 """Compare the runs of one model, every pair of them (qdiff.records.PairResult).
 
 ``compare_model`` does a model's pairs in bulk: it reads each run's files once (the logits
-memory-mapped), prepares each prompt's logits once for every pair they are in
-(qdiff.metrics.prepare), and takes from ``PairCache`` every pair whose input files are
+memory-mapped), compares each prompt's logits of all runs in one sweep
+(qdiff.metrics.compare_rows), and takes from ``PairCache`` every pair whose input files are
 byte-identical to those of a pair it compared before. So a model's comparison is one job, yet
 a changed device recomputes only the pairs it is in.
 
@@ -28,7 +28,7 @@ from qdiff.forcing import compare_forced, first_step_metrics, with_probabilities
 from qdiff.hashcache import HashCache
 from qdiff.io import load_arrays, read_json, write_json
 from qdiff.labels import Combination, Pair
-from qdiff.metrics import PAIR_METRICS, Side, compare_sides, fork_step, prepare, summarise
+from qdiff.metrics import PAIR_METRICS, check_comparable, compare_rows, fork_step, summarise
 from qdiff.records import ErrorInfo, PairResult, Record
 from qdiff.settings import relation
 
@@ -135,10 +135,10 @@ def compare_runs(
     skipped = not_comparable(rec_a, rec_b)
     if skipped is not None:
         return skipped
-    rows = [
-        compare_sides(prepare(logits_a[i]), prepare(logits_b[j]))
-        for i, j in shared_prompts(rec_a, rec_b)
-    ]
+    rows = []
+    for i, j in shared_prompts(rec_a, rec_b):
+        check_comparable(logits_a[i], logits_b[j])
+        rows += compare_rows([logits_a[i], logits_b[j]], [(0, 1)])
     return pair_result(rec_a, rec_b, rows)
 
 
@@ -329,11 +329,23 @@ def _compare_prompt(
     rows: dict[Pair, Any],
     sliced: set[Pair],
 ) -> None:
-    """One prompt's pairs, each run's row read and prepared once for all of them (a pair in
-    ``sliced``: its forced passes' position 0 instead). A pair that cannot be compared fails
-    alone."""
-    sides: dict[tuple[Combination, int], Side] = {}
-    scratch = np.empty(0)
+    """One prompt's pairs: each run's row read once, and all pairs of rows of one shape in
+    one sweep (qdiff.metrics.compare_rows); a pair in ``sliced``: its forced passes' position
+    0 instead. A pair that cannot be compared fails alone."""
+    logits: dict[tuple[Combination, int], Any] = {}  # a row, or why it could not be read
+
+    def row(combo: Combination, index: int) -> np.ndarray:
+        if (combo, index) not in logits:
+            try:
+                logits[combo, index] = np.asarray(runs[combo].logits[index])
+            except Exception as exc:  # kept: every pair with this run fails
+                logits[combo, index] = exc
+        value = logits[combo, index]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    by_shape: dict[tuple[int, ...], list[tuple[Pair, int, np.ndarray, np.ndarray]]] = {}
     for pair, i, j in work:
         if isinstance(rows[pair], Exception):
             continue
@@ -347,15 +359,27 @@ def _compare_prompt(
                     b_run.forced_row(prompt),
                 )
                 continue
-            for combo, row in ((pair.a, i), (pair.b, j)):
-                if (combo, row) not in sides:
-                    sides[combo, row] = prepare(np.asarray(runs[combo].logits[row]))
-            a, b = sides[pair.a, i], sides[pair.b, j]
-            if scratch.shape != a.logits.shape:
-                scratch = np.empty(a.logits.shape)
-            rows[pair][i] = compare_sides(a, b, scratch)
+            a, b = row(pair.a, i), row(pair.b, j)
+            check_comparable(a, b)
+            by_shape.setdefault(a.shape, []).append((pair, i, a, b))
         except Exception as exc:  # this pair fails, the others go on
             rows[pair] = exc
+    for group in by_shape.values():
+        arrays: dict[int, np.ndarray] = {}  # id -> row: each row once in the sweep
+        for _, _, a, b in group:
+            arrays.setdefault(id(a), a)
+            arrays.setdefault(id(b), b)
+        index = {key: n for n, key in enumerate(arrays)}
+        try:
+            values = compare_rows(
+                list(arrays.values()), [(index[id(a)], index[id(b)]) for _, _, a, b in group]
+            )
+        except Exception as exc:  # the sweep's pairs fail, the others go on
+            for pair, *_ in group:
+                rows[pair] = exc
+            continue
+        for (pair, i, _, _), value in zip(group, values, strict=True):
+            rows[pair][i] = value
 
 
 def _assemble(pair: Pair, runs: dict[Combination, _Run], first: Any) -> PairResult:

@@ -141,24 +141,27 @@ def with_probabilities(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     (the tail) and their logs: computed once per combination however many pairs it is in."""
     if "probs" in data:
         return data
-    tiny = np.finfo(np.float64).tiny
-    logits = np.nan_to_num(data["slice_logits"], nan=-np.inf).astype(np.float64)
-    probs = np.exp(logits - data["lse"][..., None])
+    floor = np.log(np.finfo(np.float64).tiny)  # a finite log for probabilities of 0
+    log_probs = data["slice_logits"].astype(np.float64)  # NaN: a slot the slice left empty
+    log_probs -= data["lse"][..., None]  # log p = logit - lse, exactly
+    probs = np.exp(log_probs)
+    np.fmax(probs, 0.0, out=probs)  # an empty slot's NaN becomes 0
+    np.fmax(log_probs, floor, out=log_probs)  # and its log (and a -inf's) the floor
     tail = np.clip(1.0 - probs.sum(axis=-1), 0.0, 1.0)
     return {
         **data,
         "probs": probs,
-        "log_probs": np.log(np.maximum(probs, tiny)),
+        "log_probs": log_probs,
         "tail": tail,
-        "log_tail": np.log(np.maximum(tail, tiny)),
+        "log_tail": np.log(np.maximum(tail, np.finfo(np.float64).tiny)),
     }
 
 
 def _kl(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> np.ndarray:
-    """KL(a || b) over the slice tokens and the tail: a lower bound of the full KL."""
-    pa, ta = a["probs"], a["tail"]
-    inner = np.where(pa > 0, pa * (a["log_probs"] - b["log_probs"]), 0).sum(axis=-1)
-    tail = np.where(ta > 0, ta * (a["log_tail"] - b["log_tail"]), 0)
+    """KL(a || b) over the slice tokens and the tail: a lower bound of the full KL. Every log
+    is finite (``with_probabilities``), so a probability of 0 adds exactly 0."""
+    inner = np.einsum("...k,...k->...", a["probs"], a["log_probs"] - b["log_probs"])
+    tail = a["tail"] * (a["log_tail"] - b["log_tail"])
     return np.maximum(inner + tail, 0.0)
 
 

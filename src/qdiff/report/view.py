@@ -36,20 +36,25 @@ class ModelView:
     @cached_property
     def first_step_top_k(self) -> int | None:
         """The tokens first steps were compared over: None for the full vocabulary, else
-        the teacher's top-k (``first_step_logits: top_k``, qdiff.compare)."""
-        return next(
-            (p["first_step_top_k"] for p in self.ok_pairs if p.get("first_step_top_k")), None
-        )
+        the teacher's top-k (``first_step_logits: top_k``; qdiff.compare, qdiff.distance)."""
+        rows = self.ok_pairs + (self.exact["rows"] if self.exact else [])
+        return next((r["first_step_top_k"] for r in rows if r.get("first_step_top_k")), None)
+
+    @property
+    def first_step_scope(self) -> str:
+        """The tokens a first-step figure is over, in a few words (a column, a title)."""
+        k = self.first_step_top_k
+        return "the full vocabulary" if k is None else f"the teacher's top {k} tokens"
 
     @property
     def first_step_tokens(self) -> str:
-        """What a first-step figure of this model is over, in words."""
+        """What a first-step figure of this model is over, in a sentence's words."""
         if self.first_step_top_k is None:
-            return "over the full vocabulary"
+            return f"over {self.first_step_scope}"
         return (
-            f"over the teacher's top {self.first_step_top_k} tokens (runs keep no full "
-            "first-step logits, `first_step_logits: top_k`: max |Δ| and KL are lower bounds of "
-            "the full vocabulary's; top-1 and bit-identity are exact)"
+            f"over {self.first_step_scope} (runs keep no full first-step logits, "
+            "`first_step_logits: top_k`: max \\|Δ\\| and KL are lower bounds of the full "
+            "vocabulary's; top-1 and bit-identity are exact)"
         )
 
     @cached_property

@@ -9,19 +9,11 @@ from qdiff.report.view import ModelView
 
 
 def legend(view: ModelView) -> str:
-    rows = view.exact["rows"] if view.exact else []
-    top_k = next((r["first_step_top_k"] for r in rows if r.get("first_step_top_k")), None)
-    first_step = (
-        "over the full vocabulary"
-        if top_k is None
-        else f"over the teacher's top {top_k} tokens (runs keep no full first-step logits: "
-        "max \\|Δ\\| and KL are lower bounds)"
-    )
     return (
         "The exact answer is the model's own definition computed in float64 from the GGUF's "
         "weights (dequantized exactly as llama.cpp does), with no fp16 table, no KV-cache "
         "rounding and no summation order of any backend (`src/qdiff/exact.py`). Every "
-        f"combination is measured against it: at the first step {first_step}, with KL as "
+        f"combination is measured against it: at the first step {view.first_step_tokens}, with KL as "
         "KL(exact ‖ combination), and along the teacher's text at every forced position over "
         "the logits teacher forcing keeps. ★ marks the combination closest to exact (smallest "
         "first-step max \\|Δ\\|). An f16 copy's distance includes the rounding of its weights."

@@ -109,10 +109,7 @@ def tolerance_table(view: ModelView) -> str:
     if not rows:
         return "_No two combinations ran the same file on different devices or settings: no tolerance to recommend._"
     out = []
-    top_k = view.first_step_top_k
-    first_step_column = "first step, " + (
-        "full vocabulary" if top_k is None else f"teacher's top {top_k}"
-    )
+    first_step_column = f"first step, {view.first_step_scope}"
     for t in rows:
         forced = (
             f"{num(t.forced_max)} (`{t.forced_where}`), {t.forced_values} positions × top {t.top_k}"
@@ -135,12 +132,7 @@ def tolerance_table(view: ModelView) -> str:
     first = next((t for t in rows if t.dequant == "none"), rows[0])
     covers = (
         f"the first-step logits of {first.first_step_values} prompt comparisons "
-        + (
-            "over the full vocabulary"
-            if top_k is None
-            else f"over the teacher's top {top_k} tokens (runs keep no more: the full "
-            "vocabulary may differ more)"
-        )
+        + view.first_step_tokens
         + (
             f" and {first.forced_values} teacher-forced positions over the teacher's top {first.top_k} "
             "tokens (qdiff keeps no more there; the full vocabulary may differ more at those "

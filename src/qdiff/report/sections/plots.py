@@ -24,8 +24,8 @@ def overview_plots(view: ModelView) -> str:
         values[i, j] = values[j, i] = headline(p)
     heat = view.plot("heatmap")
     assert heat is not None
-    scope = "" if view.first_step_top_k is None else f" (teacher's top {view.first_step_top_k})"
-    plots.heatmap(labels, values, heat, f"{view.model}: pairwise max |Δ|{scope}")
+    title = f"{view.model}: pairwise max |Δ|\nfirst step, over {view.first_step_scope}"
+    plots.heatmap(labels, values, heat, title)
     worst = max(view.ok_pairs, key=headline)
     pair = Pair.from_result(worst)
     k = max(range(len(worst["prompts"])), key=lambda i: worst["prompts"][i]["max_abs"])
