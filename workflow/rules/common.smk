@@ -1,11 +1,8 @@
 # Validation, the matrix, every target, path helpers and wildcard constraints.
 # The config is checked here, at parse time, so a bad key stops the workflow before any job.
-import inspect
 import json
 import re
 from pathlib import Path
-
-from snakemake.common import overwrite_function_params
 
 from qdiff import secrets
 from qdiff.compare import COMPARE_FORMAT
@@ -113,14 +110,6 @@ def all_targets(wildcards):
 # rerunning job is ancient files.
 
 
-def per_job(func):
-    """Marks a function Snakemake calls for every job of the matrix. Snakemake inspects a
-    function's signature on each call, which is most of the call's cost; this hands it the
-    parameters once, through its own mechanism for wrapped functions."""
-    overwrite_function_params(func, inspect.signature(func).parameters)
-    return func
-
-
 def combo_of(wildcards):
     return Combination(wildcards.model, wildcards.device, wildcards.dequant)
 
@@ -161,7 +150,6 @@ def requant_type(wildcards):
     return EXPERIMENT.models[wildcards.model].quant
 
 
-@per_job
 def combination_inputs(wildcards):
     """What every stage of a combination loads: its model file and the file's sidecar."""
     return {
@@ -170,7 +158,6 @@ def combination_inputs(wildcards):
     }
 
 
-@per_job
 def forced_inputs(wildcards):
     """A forced pass also needs its own free run's record (a self-check against its
     first-step digests), the teacher's run (the sequences) and, unless it is the teacher,
@@ -191,7 +178,6 @@ def forced_inputs(wildcards):
 def stage_spec(stage):
     """The params function of a stage's spec: exactly the combination's slice of the config."""
 
-    @per_job
     def spec(wildcards):
         return canonical_json(EXPERIMENT.spec(stage, combo_of(wildcards)))
 
@@ -199,7 +185,6 @@ def stage_spec(stage):
 
 
 def stage_retry_token(stage):
-    @per_job
     def token(wildcards):
         return retry_token(stage.record(combo_of(wildcards)))
 
@@ -227,7 +212,6 @@ def stage_resources(stage):
     return {"gpu": run_gpus, "mem_mb": model_mem_mb, "runtime": stage.runtime_min}
 
 
-@per_job
 def run_threads(wildcards):
     """On one machine a job claims every core Snakemake may use, so inference never
     overlaps and its timings (and OpenMP's spinning threads) are undisturbed; override with
@@ -251,7 +235,6 @@ def gguf_mb(input):
     return size_mb(f for f in input if f.endswith(".gguf"))
 
 
-@per_job
 def model_mem_mb(wildcards, input):
     """Memory a job that loads (or converts) a GGUF file needs: the file, a copy's worth of
     working space and 2 GB for the runtime and the logits (the `mem_mb` a cluster job asks for).
@@ -259,13 +242,11 @@ def model_mem_mb(wildcards, input):
     return int(2 * gguf_mb(input) + 2000)
 
 
-@per_job
 def run_env(wildcards):
     """The conda environment of the device's backend (for --sdm conda)."""
     return f"../../envs/{EXPERIMENT.devices[wildcards.device].backend}.yaml"
 
 
-@per_job
 def run_gpus(wildcards):
     return int(EXPERIMENT.devices[wildcards.device].on_gpu)
 
