@@ -95,10 +95,7 @@ def all_targets(wildcards):
     ]
     if EXPERIMENT.exact_enabled:
         for model in EXPERIMENT.run_models:
-            targets += [
-                f"{exact_dir(model)}/{name}"
-                for name in ("record.json", "exact.npz", "distance.json")
-            ]
+            targets += [exact_file(model, name) for name in EXACT_FILES]
     return targets
 
 
@@ -289,8 +286,17 @@ def localise_inputs(wildcards):
     }
 
 
-def exact_dir(model):
-    return f"results/exact/{model}"
+# A model's exact-reference files: its record and data (qdiff.exact), and how far every
+# combination is from it (qdiff.distance)
+EXACT_FILES = {
+    "record": "record.json",
+    "data": "exact.npz",
+    "distance": "distance.json",
+}
+
+
+def exact_file(model, name):
+    return f"results/exact/{model}/{EXACT_FILES[name]}"
 
 
 def exact_inputs(wildcards):
@@ -320,15 +326,15 @@ def exact_mem_mb(wildcards, input):
 
 
 def exact_retry_token(wildcards):
-    return retry_token(f"{exact_dir(wildcards.model)}/record.json")
+    return retry_token(exact_file(wildcards.model, "record"))
 
 
 def distance_inputs(wildcards):
     """The exact reference and every combination's run (and forced pass) of the model."""
     combos = EXPERIMENT.combinations(wildcards.model)
     inputs = {
-        "exact_record": f"{exact_dir(wildcards.model)}/record.json",
-        "exact_data": ancient(f"{exact_dir(wildcards.model)}/exact.npz"),
+        "exact_record": exact_file(wildcards.model, "record"),
+        "exact_data": ancient(exact_file(wildcards.model, "data")),
         "records": [RUN.record(c) for c in combos],
         "logits": data_files(RUN, combos),
     }
@@ -353,8 +359,8 @@ def reference_model_inputs(wildcards):
         "logits": [ancient(RUN.data(c)) for c in combos],
     }
     if EXPERIMENT.exact_enabled:
-        inputs["exact_record"] = f"{exact_dir(reference.model)}/record.json"
-        inputs["exact_data"] = ancient(f"{exact_dir(reference.model)}/exact.npz")
+        inputs["exact_record"] = exact_file(reference.model, "record")
+        inputs["exact_data"] = ancient(exact_file(reference.model, "data"))
     return inputs
 
 
@@ -379,7 +385,7 @@ def report_inputs(wildcards):
             else []
         ),
         "exact": (
-            [f"{exact_dir(m)}/distance.json" for m in EXPERIMENT.run_models]
+            [exact_file(m, "distance") for m in EXPERIMENT.run_models]
             if EXPERIMENT.exact_enabled
             else []
         ),

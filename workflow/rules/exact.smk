@@ -7,8 +7,8 @@ rule exact_reference:
     input:
         unpack(exact_inputs),
     output:
-        record=f"{exact_dir('{model}')}/record.json",
-        data=f"{exact_dir('{model}')}/exact.npz",
+        record=exact_file("{model}", "record"),
+        data=exact_file("{model}", "data"),
     log:
         "results/logs/exact/{model}.log",
     benchmark:
@@ -31,7 +31,7 @@ rule distance_from_exact:
     input:
         unpack(distance_inputs),
     output:
-        f"{exact_dir('{model}')}/distance.json",
+        exact_file("{model}", "distance"),
     log:
         "results/logs/exact/{model}.distance.log",
     conda:
