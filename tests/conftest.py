@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import yaml
 
+from qdiff.quant import quantize
 from tinymodel import write_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -133,17 +138,31 @@ def tiny_config(model_path: Path, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+def in_child(function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)`` in a fresh Python process, its result pickled back: a crash of
+    llama.cpp's native code there fails one test, never the whole test session. The function
+    must be importable by its module's name (a test module here, or a package)."""
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "result.pickle"
+        code = (
+            f"import pickle, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"from {function.__module__} import {function.__name__} as function; "
+            f"result = function(*pickle.loads({pickle.dumps(args)!r})); "
+            f"open({str(result)!r}, 'wb').write(pickle.dumps(result))"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert proc.returncode == 0, (
+            f"{function.__name__} failed in its child process ({proc.returncode}): "
+            f"{proc.stderr[-2000:]}"
+        )
+        value: T = pickle.loads(result.read_bytes())
+        return value
+
+
 def quantize_in_child(src: Path, dst: Path, target: str) -> None:
-    """llama_model_quantize in a child process, as the workflow runs it: a crash of
-    llama.cpp's native code then fails one test, never the whole test session."""
-    code = (
-        "import sys; from pathlib import Path; from qdiff.quant import quantize; "
-        f"sys.exit(quantize(Path({str(src)!r}), Path({str(dst)!r}), {target!r}, 1))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, (
-        f"quantize to {target} failed ({proc.returncode}): {proc.stderr[-2000:]}"
-    )
+    """llama_model_quantize in a child process, as the workflow runs it (``in_child``)."""
+    code = in_child(quantize, src, dst, target, 1)
+    assert code == 0, f"llama_model_quantize to {target} returned {code}"
 
 
 @pytest.fixture

@@ -16,13 +16,14 @@ exceed the float32 bound tenfold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import quantize_in_child
+from conftest import in_child, quantize_in_child
 from qdiff import engine, exact
 from qdiff.engine.model import LoadedModel
 from qdiff.settings import DeviceSettings
@@ -33,22 +34,28 @@ GELU_TABLE_BOUND = 7e-3
 PROMPT = "Once upon a time there was a dragon"  # 35 tokens: past the tiny gemma3's window
 
 
-@pytest.fixture(scope="module")
-def llama_log():
-    return engine.init_backend()  # keep the reference: llama.cpp holds its callback
-
-
+@functools.cache
 def llama_cpp_logits(
     path: Path, n_forced: int = 6, kv: str = "f32"
 ) -> tuple[list[int], list[int], np.ndarray]:
     """llama.cpp's CPU logits (an f32 KV cache unless ``kv`` says otherwise) at the prompt's
-    last token and along its own greedy output, one token per step, as a forced pass takes them."""
+    last token and along its own greedy output, one token per step, as a forced pass takes
+    them. In a child process, so that a crash of llama.cpp fails these tests and not the
+    session; once per model and cache type, since they are deterministic."""
+    return in_child(_llama_cpp_logits, path, n_forced, kv)
+
+
+def _llama_cpp_logits(
+    path: Path, n_forced: int, kv: str
+) -> tuple[list[int], list[int], np.ndarray]:
+    log = engine.init_backend()  # kept while llama.cpp runs: it holds the callback
     model = LoadedModel(path, DeviceSettings(backend="cpu", threads=1, kv_cache_type=kv), 256)
     with model:
         prompt = model.tokenize(PROMPT, parse_special=False)
         forced = model.generate(prompt, n_forced).tokens
         rows: list[np.ndarray] = []
         model.force(prompt, forced, lambda t, logits: rows.append(logits.copy()))
+    del log
     return prompt, forced, np.array(rows, dtype=np.float64)
 
 
@@ -71,13 +78,11 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_gemma3(tmp_path_factory.mktemp("exact") / "gemma3.gguf")
 
 
-def test_llama_agrees_with_llama_cpp_to_float32_rounding(llama_log, tiny_llama: Path) -> None:
+def test_llama_agrees_with_llama_cpp_to_float32_rounding(tiny_llama: Path) -> None:
     assert gap(tiny_llama) < FLOAT32_BOUND
 
 
-def test_gemma3_agrees_with_llama_cpp_up_to_its_fp16_gelu_table(
-    llama_log, tiny_gemma3: Path
-) -> None:
+def test_gemma3_agrees_with_llama_cpp_up_to_its_fp16_gelu_table(tiny_gemma3: Path) -> None:
     model = exact.ExactModel(tiny_gemma3)
     assert model.hp.swa_layers == (True, False, True)
     assert model.hp.rope(0) == (10000.0, 1.0) and model.hp.rope(1) == (1e6, 1.0)
@@ -106,7 +111,7 @@ def _wrong(which: str, changes: dict) -> Callable[[Path], exact.ExactModel]:
     ],
 )
 def test_a_wrong_engine_fails(
-    llama_log, tiny_llama: Path, tiny_gemma3: Path, which: str, change: dict
+    tiny_llama: Path, tiny_gemma3: Path, which: str, change: dict
 ) -> None:
     path = tiny_llama if which == "llama" else tiny_gemma3
     assert gap(path, _wrong(which, change)) > 10 * FLOAT32_BOUND
@@ -138,7 +143,7 @@ def test_an_architecture_it_does_not_know_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("which", ["llama", "gemma3"])
 def test_the_cpu_f16_kv_cache_emulated_explains_most_of_its_effect(
-    llama_log, tiny_llama: Path, tiny_gemma3: Path, which: str
+    tiny_llama: Path, tiny_gemma3: Path, which: str
 ) -> None:
     """llama.cpp's CPU attention with its default f16 KV cache (no flash attention): with the
     same roundings (and, on Gemma, the GELU table) the exact engine comes closer to llama.cpp's
