@@ -127,10 +127,11 @@ def compare_rows(
     weights = np.empty((n, width))  # exp(logits - peak), float64: the softmax times `totals`
     delta = np.empty(width)
     totals, sq_norms = np.zeros(n), np.zeros(n)  # sq_norm: sum of logits^2, NMSE's denominator
-    sums = np.zeros((len(pairs), 4))  # per pair: sum delta^2, a-weighted and b-weighted sums
-    # of delta, sum |delta|
-    maxima = np.empty((len(pairs), -(-size // width)))  # max |delta| of each block
-    for block, start in enumerate(range(0, size, width)):
+    # per pair: sum delta^2, the a-weighted and b-weighted sums of delta, sum |delta| (Python
+    # floats: cheaper to add to than an array's items); and max |delta| of each block
+    sums = [[0.0] * 4 for _ in pairs]
+    maxima: list[list[float]] = [[] for _ in pairs]
+    for start in range(0, size, width):
         stop = min(start + width, size)
         w, d = weights[:, : stop - start], delta[: stop - start]
         for i, row in enumerate(rows):
@@ -141,10 +142,13 @@ def compare_rows(
             totals[i] += w[i].sum()
         for m, (i, j) in enumerate(pairs):
             np.subtract(rows[j][start:stop], rows[i][start:stop], out=d, dtype=np.float64)
-            sums[m] += (np.dot(d, d), np.dot(w[i], d), np.dot(w[j], d), 0.0)
+            total = sums[m]
+            total[0] += np.dot(d, d)
+            total[1] += np.dot(w[i], d)
+            total[2] += np.dot(w[j], d)
             np.abs(d, out=d)
-            maxima[m, block] = d.max()
-            sums[m, 3] += d.sum()
+            maxima[m].append(float(d.max()))
+            total[3] += d.sum()
     lse = peaks + np.log(totals)  # log p = logits - lse
 
     def p(k: int, token: int) -> float:  # run k's probability of a token
@@ -153,7 +157,7 @@ def compare_rows(
     results = []
     for m, (i, j) in enumerate(pairs):
         squares, weighted_a, weighted_b, abs_sum = (float(x) for x in sums[m])
-        max_abs = float(maxima[m].max())  # NaN if any logit is
+        max_abs = float(np.max(maxima[m]))  # NaN if any logit is
         identical = max_abs == 0.0 or (
             not np.isfinite(max_abs) and np.array_equal(rows[i], rows[j])
         )
