@@ -3,12 +3,15 @@ workflow tests render real reports)."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from qdiff.report import MODEL_SECTIONS, render_model, safely
+import qdiff.report
+from qdiff.report import MODEL_SECTIONS, render_model, render_models, safely
 from qdiff.report.sections import overview, pairs, runs
 from qdiff.report.view import ModelView
 
@@ -143,6 +146,44 @@ def test_a_broken_section_costs_only_itself(capsys: pytest.CaptureFixture[str]) 
 
     assert "could not be rendered (KeyError: 'summary')" in safely(broken, ModelView("m", [], []))
     assert "KeyError" in capsys.readouterr().err  # the traceback goes to the job's log
+
+
+def views_with_plots(plot_dir: Path) -> list[ModelView]:
+    return [
+        ModelView(
+            f"m{i}",
+            [run_record("cpu", "none"), run_record("cuda", "none")],
+            [pair("cpu.none", "cuda.none", 0.5 * (i + 1))],
+            plot_dir=plot_dir,
+        )
+        for i in range(3)
+    ]
+
+
+def test_models_rendered_side_by_side_are_the_models_rendered_one_by_one(tmp_path: Path) -> None:
+    alone = render_models(views_with_plots(tmp_path / "alone"), workers=1)
+    side_by_side = render_models(views_with_plots(tmp_path / "side"), workers=2)
+    assert side_by_side == alone
+    drawn = sorted(p.name for p in (tmp_path / "alone").iterdir())
+    assert drawn and drawn == sorted(p.name for p in (tmp_path / "side").iterdir())
+    for name in drawn:
+        assert (tmp_path / "alone" / name).read_bytes() == (tmp_path / "side" / name).read_bytes()
+
+
+def test_a_model_whose_process_dies_renders_again_in_the_report_s_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = os.getpid()
+
+    def dies_in_a_worker(view: ModelView) -> str:
+        if os.getpid() != report:
+            os._exit(1)  # as a native crash would end it
+        return "rendered here"
+
+    monkeypatch.setattr(qdiff.report, "MODEL_SECTIONS", [("Crash", dies_in_a_worker)])
+    lines = render_models(views_with_plots(tmp_path), workers=2)
+    assert lines.count("rendered here") == 3
+    assert "BrokenProcessPool" in capsys.readouterr().err
 
 
 def test_every_section_renders_for_a_model_that_did_not_run_at_all() -> None:

@@ -320,6 +320,14 @@ def exact_threads(wildcards):
     return max(workflow.cores, 1) if ON_THIS_MACHINE else 2
 
 
+def report_threads(wildcards):
+    """The report renders its models side by side: one process per model, up to every core
+    on one machine (it is the last job there), or 4 on a cluster."""
+    return max(
+        1, min(len(EXPERIMENT.run_models), workflow.cores if ON_THIS_MACHINE else 4)
+    )
+
+
 def exact_mem_mb(wildcards, input):
     """float64 weights take up to 16x a 4-bit file, plus the logits and working space."""
     return int(20 * gguf_mb(input) + 2000)

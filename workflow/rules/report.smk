@@ -30,6 +30,8 @@ rule report:
         "results/logs/report.log",
     conda:
         "../../envs/qdiff.yaml"
+    # the last job: its models render side by side (qdiff.report.render_models)
+    threads: report_threads
     params:
         reference=EXPERIMENT.reference,
         writeup_claims=EXPERIMENT.report["writeup_claims"],

@@ -28,6 +28,7 @@ def body(job: jobs.Job) -> None:
         plot_dir=job.out(out.plots),
         plot_href=Path(out.plots).name,
         writeup_claims=snakemake.params.writeup_claims,
+        workers=snakemake.threads,
         reference=snakemake.params.reference,
         # none with first_step_logits: top_k: the report says what it cannot draw
         logits={

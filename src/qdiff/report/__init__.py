@@ -7,16 +7,19 @@ traceback goes to the job's log): one broken section never costs the rest of the
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from qdiff.diagnosis import plural
 from qdiff.io import write_text
+from qdiff.jobs import child_preexec
 from qdiff.labels import Combination
 from qdiff.report.fmt import cell
 from qdiff.report.html import markdown_to_html
@@ -85,6 +88,28 @@ def render_model(view: ModelView) -> list[str]:
     return out
 
 
+def render_models(views: list[ModelView], workers: int = 1) -> list[str]:
+    """Every model's part of the summary, in order. With ``workers`` > 1, models render in
+    that many forked processes: matplotlib's figures are most of a report's time, and each
+    model's are its own. A model whose process died renders again here, so that whatever
+    failed shows in its sections."""
+    if workers <= 1 or len(views) <= 1:
+        return [line for view in views for line in render_model(view)]
+    parts = []
+    with ProcessPoolExecutor(
+        min(workers, len(views)),
+        mp_context=multiprocessing.get_context("fork"),  # no imports again
+        initializer=child_preexec,  # ends with this process
+    ) as pool:
+        for view, future in [(view, pool.submit(render_model, view)) for view in views]:
+            try:
+                parts.append(future.result())
+            except Exception:  # the worker died: not a section's error, which it renders
+                traceback.print_exc(file=sys.stderr)
+                parts.append(render_model(view))
+    return [line for part in parts for line in part]
+
+
 def _first_step_scope(views: list[ModelView]) -> list[str]:
     """A warning under the title when first steps were compared over a slice only."""
     top_k = sorted({v.first_step_top_k for v in views if v.first_step_top_k is not None})
@@ -100,7 +125,10 @@ def _first_step_scope(views: list[ModelView]) -> list[str]:
 
 
 def render(
-    views: list[ModelView], records: list[dict[str, Any]], writeup_claims: bool = False
+    views: list[ModelView],
+    records: list[dict[str, Any]],
+    writeup_claims: bool = False,
+    workers: int = 1,
 ) -> str:
     status = Counter(r["status"] for r in records)
     n_prompts = max((len(r["prompts"]) for r in records if r["status"] == "ok"), default=0)
@@ -126,8 +154,7 @@ def render(
     ]
     if writeup_claims:
         out += ["", "## The candle write-up's claims, checked", "", safely(overview.claims, views)]
-    for view in views:
-        out += render_model(view)
+    out += render_models(views, workers)
     out += ["", "## Provenance", "", safely(overview.provenance, records), ""]
     return "\n".join(out)
 
@@ -148,10 +175,11 @@ def write_report(
     plot_href: str | None = None,
     writeup_claims: bool = False,
     html_path: Path | None = None,
+    workers: int = 1,
 ) -> None:
     """Write the summary, the tables and the plots (into ``plot_dir``, linked from the
     summary as ``plot_href``, by default the folder's own name), and the summary as a
-    self-contained page at ``html_path``."""
+    self-contained page at ``html_path``; ``workers``: processes that render models."""
     write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
     write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
     plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even with nothing to plot
@@ -168,7 +196,7 @@ def write_report(
         plot_dir,
         plot_href,
     )
-    summary = render(views, records, writeup_claims)
+    summary = render(views, records, writeup_claims, workers)
     write_text(summary_path, summary)
     if html_path is not None:
         write_text(html_path, markdown_to_html(summary, PAGE_TITLE, plot_dir, plot_href))
