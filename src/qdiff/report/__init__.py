@@ -112,14 +112,14 @@ def render_models(views: list[ModelView], workers: int = 1) -> list[str]:
 
 def _first_step_scope(views: list[ModelView]) -> list[str]:
     """A warning under the title when first steps were compared over a slice only."""
-    top_k = sorted({v.first_step_top_k for v in views if v.first_step_top_k is not None})
-    if not top_k:
+    scopes = sorted({v.first_step_scope for v in views if v.first_step_top_k is not None})
+    if not scopes:
         return []
     return [
         "",
         "**Runs kept no full first-step logits** (`first_step_logits: top_k`): every "
         f"first-step max |Δ|, RMS, NMSE and KL in this report, the diagnosis's included, is "
-        f"over the teacher's top {'/'.join(map(str, top_k))} tokens, a lower bound "
+        f"over {' / '.join(scopes)}, a lower bound "
         "of the full vocabulary's. Top-1 agreement, margins and bit-identity are exact.",
     ]
 
