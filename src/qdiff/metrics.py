@@ -110,9 +110,9 @@ def compare_rows(
     several runs, as stored: float32 from llama.cpp, float64 for exact references), with
     ``rows[i]`` the reference; the rows have one shape (``check_comparable``).
 
-    One sweep over the vocabulary in blocks: each row's block is read and turned into
-    softmax weights once for all the pairs it is in, while it is in the CPU's cache (twice
-    as fast as whole-vocabulary passes, which memory bandwidth bounds). Every metric reads
+    One sweep over the vocabulary in blocks: each row's block is read, converted to float64
+    and turned into softmax weights once for all the pairs it is in, while it is in the
+    CPU's cache (whole-vocabulary passes were bound by memory bandwidth). Every metric reads
     delta = b - a, exact in float64 for float32 logits: |delta| for max, mean, RMS and NMSE,
     and the weighted sums of delta for both KL divergences, since
     log p_a - log p_b = (lse_b - lse_a) - delta."""
@@ -124,7 +124,8 @@ def compare_rows(
         for row, top, peak in zip(rows, tops, peaks, strict=True)
     ]
     width = min(BLOCK, size)
-    weights = np.empty((n, width))  # exp(logits - peak), float64: the softmax times `totals`
+    blocks = np.empty((n, width))  # the rows' block in float64, so each delta is exact
+    weights = np.empty((n, width))  # exp(logits - peak): the softmax times `totals`
     delta = np.empty(width)
     totals, sq_norms = np.zeros(n), np.zeros(n)  # sq_norm: sum of logits^2, NMSE's denominator
     # per pair: sum delta^2, the a-weighted and b-weighted sums of delta, sum |delta| (Python
@@ -133,15 +134,15 @@ def compare_rows(
     maxima: list[list[float]] = [[] for _ in pairs]
     for start in range(0, size, width):
         stop = min(start + width, size)
-        w, d = weights[:, : stop - start], delta[: stop - start]
+        x, w, d = blocks[:, : stop - start], weights[:, : stop - start], delta[: stop - start]
         for i, row in enumerate(rows):
-            np.copyto(w[i], row[start:stop])
-            sq_norms[i] += np.dot(w[i], w[i])
-            w[i] -= peaks[i]
+            np.copyto(x[i], row[start:stop])  # converted once for all the row's pairs
+            sq_norms[i] += np.dot(x[i], x[i])
+            np.subtract(x[i], peaks[i], out=w[i])
             np.exp(w[i], out=w[i])
             totals[i] += w[i].sum()
         for m, (i, j) in enumerate(pairs):
-            np.subtract(rows[j][start:stop], rows[i][start:stop], out=d, dtype=np.float64)
+            np.subtract(x[j], x[i], out=d)
             total = sums[m]
             total[0] += np.dot(d, d)
             total[1] += np.dot(w[i], d)
