@@ -28,6 +28,7 @@ from qdiff.records import RECORD_FORMAT
 from qdiff.run import retry_token
 from qdiff.sources import fingerprint
 from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
+from qdiff.workflow import end_scheduler_timers
 
 check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
 # Before Snakemake stores, prints or pickles any of the config: hide what qdiff may not show
@@ -49,6 +50,15 @@ REPORT_FILES = [
     "results/summary.html",
 ]
 ENABLED_STAGES = [s for s in STAGES.values() if EXPERIMENT.stage_enabled(s)]
+
+
+# Snakemake waits for its scheduler's last timer at exit: a second per run (qdiff.workflow)
+onsuccess:
+    end_scheduler_timers()
+
+
+onerror:
+    end_scheduler_timers()
 
 
 def alternation(names):
