@@ -124,7 +124,7 @@ def compare_rows(
         for row, top, peak in zip(rows, tops, peaks, strict=True)
     ]
     width = min(BLOCK, size)
-    blocks = np.empty((n, width))  # the rows' block in float64, so each delta is exact
+    blocks = np.empty((n, width))  # the rows' block in float64, converted once for all pairs
     weights = np.empty((n, width))  # exp(logits - peak): the softmax times `totals`
     delta = np.empty(width)
     totals, sq_norms = np.zeros(n), np.zeros(n)  # sq_norm: sum of logits^2, NMSE's denominator
@@ -136,7 +136,7 @@ def compare_rows(
         stop = min(start + width, size)
         x, w, d = blocks[:, : stop - start], weights[:, : stop - start], delta[: stop - start]
         for i, row in enumerate(rows):
-            np.copyto(x[i], row[start:stop])  # converted once for all the row's pairs
+            np.copyto(x[i], row[start:stop])
             sq_norms[i] += np.dot(x[i], x[i])
             np.subtract(x[i], peaks[i], out=w[i])
             np.exp(w[i], out=w[i])
