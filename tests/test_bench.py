@@ -54,4 +54,7 @@ def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) ->
     ], out
     assert all(float(value) > 0 for _, value, _ in figures)
     assert "runs only (run_combination 8, compare_model 2, report 1)" in out
+    # the ratio's two factors, from the records the pipeline's runs wrote
+    split = re.search(r"own records: (\d+\.\d+) s .* / its records (\d+\.\d+)x", out)
+    assert split and float(split[1]) > 0 and float(split[2]) > 0, out
     assert "planning 2x2x1x2: " in out and "Snakemake's own no-op" in out

@@ -3,10 +3,11 @@
     .venv/bin/python docs/results/bench-xeon/remeasure.py /tmp/bench1
 
 It reuses the directory's experiment and its runs-only copy (``bench.py --workdir DIR`` made
-both) and calls bench.py's own functions: 3 alternations of the runs-only pipeline and the
-inference floor, the comparison of the experiment's largest-vocabulary model in 3 fresh
-processes, and the planning of the 10 x 10 x 3 x 30 matrix. remeasure-fd29a0f.log is its
-output, right after bench-fd29a0f.log.
+both) and calls bench.py's own functions: ``--repeat`` alternations of the runs-only
+pipeline and the inference floor, the comparison of the experiment's largest-vocabulary model
+in fresh processes (as many as bench.py takes), and the planning of the 10 x 10 x 3 x 30
+matrix. remeasure-fd29a0f.log is the output of its first version (3 comparison processes,
+its own copy of the alternation loop), right after bench-fd29a0f.log.
 """
 
 from __future__ import annotations
@@ -15,26 +16,20 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
-from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 import bench  # benchmarks/ is not a package: found through the path above
 
-workdir = Path(sys.argv[1])
-runs = workdir / "runs-only"
-pipelines, floors = [], []
-for _ in range(3):
-    shutil.rmtree(runs / "results", ignore_errors=True)
-    seconds, _ = bench.snakemake(runs, 4)
-    pipelines.append(seconds)
-    floors.append(bench.floor_seconds(runs))
-    print(f"pipeline {seconds:.1f} floor {floors[-1]:.1f} ratio {seconds / floors[-1]:.3f}")
-print("median ratio", median(p / f for p, f in zip(pipelines, floors, strict=True)))
-found = bench.experiment_runs(workdir / "experiment")
-assert found, f"no experiment ran in {workdir}"
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("workdir", type=Path, help="a finished `bench.py --workdir` directory")
+parser.add_argument("--repeat", type=int, default=3, help="alternations (default 3)")
+args = parser.parse_args()
+bench.pipeline_against_floor(args.workdir / "runs-only", 4, args.repeat)
+found = bench.experiment_runs(args.workdir / "experiment")
+assert found, f"no experiment ran in {args.workdir}"
 model, files = found
 bench.compare_line(f"{model} again", files, model)
-planned = workdir / "remeasure"
+planned = args.workdir / "remeasure"
 shutil.rmtree(planned, ignore_errors=True)
 planned.mkdir()
 bench.planning(argparse.Namespace(matrix=(10, 10, 3, 30), cores=4), planned)
