@@ -11,7 +11,9 @@ It runs, in a scratch directory (``--workdir``, default a temporary one):
    from a clean results/ with the model files already made, against the *inference floor*: the
    same runs in one bare loop in this process (llama-cpp-python through
    ``qdiff.engine.model.LoadedModel``: load, prompt, greedy decode; no Snakemake, no records,
-   no child processes);
+   no child processes), alternately; each pipeline is also set against the inference its own
+   run records give, which splits the ratio into what the pipeline adds around its inference
+   and how that inference compares with the floor;
 3. comparison throughput: ``qdiff.compare.compare_model`` on one thread, reading the arrays
    from disk, on synthetic logits of Gemma 3's 262,144-token vocabulary and on the
    experiment's own largest-vocabulary model;
