@@ -44,6 +44,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 GEMMA_VOCAB = 262_144
+CORES = 4  # snakemake --cores, as the README's quick start runs it
+MATRIX = (10, 10, 3, 30)  # models x devices x dequant x prompts of the planned matrix
 
 
 def snakemake(
@@ -435,14 +437,15 @@ def main() -> None:
         print(n, seconds)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cores", type=int, default=4)
+    parser.add_argument("--cores", type=int, default=CORES)
     parser.add_argument("--config", type=Path, default=REPO / "config/config.yaml")
     parser.add_argument("--workdir", type=Path, help="keep everything here (default: temporary)")
     parser.add_argument(
         "--matrix",
         type=lambda s: tuple(int(x) for x in s.split("x")),
-        default=(10, 10, 3, 30),
-        help="models x devices x dequant x prompts of the planned matrix (default 10x10x3x30)",
+        default=MATRIX,
+        help="models x devices x dequant x prompts of the planned matrix "
+        f"(default {'x'.join(map(str, MATRIX))})",
     )
     parser.add_argument(
         "--repeat", type=int, default=5, help="pipeline and floor runs, alternately (default 5)"

@@ -21,7 +21,7 @@ start = time.perf_counter()
 from qdiff import engine
 from qdiff.engine.devices import backend_devices
 imported = time.perf_counter()
-log = engine.init_backend()
+log = engine.init_backend()  # kept alive: llama.cpp calls back into it
 devices = [d.name for d in backend_devices()]
 listed = time.perf_counter()
 print(json.dumps({"imports": imported - start, "init_and_list": listed - imported,

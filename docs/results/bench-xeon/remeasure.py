@@ -24,7 +24,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("workdir", type=Path, help="a finished `bench.py --workdir` directory")
 parser.add_argument("--repeat", type=int, default=3, help="alternations (default 3)")
 args = parser.parse_args()
-bench.pipeline_against_floor(args.workdir / "runs-only", 4, args.repeat)
+bench.pipeline_against_floor(args.workdir / "runs-only", bench.CORES, args.repeat)
 found = bench.experiment_runs(args.workdir / "experiment")
 assert found, f"no experiment ran in {args.workdir}"
 model, files = found
@@ -32,4 +32,4 @@ bench.compare_line(f"{model} again", files, model)
 planned = args.workdir / "remeasure"
 shutil.rmtree(planned, ignore_errors=True)
 planned.mkdir()
-bench.planning(argparse.Namespace(matrix=(10, 10, 3, 30), cores=4), planned)
+bench.planning(argparse.Namespace(matrix=bench.MATRIX, cores=bench.CORES), planned)
