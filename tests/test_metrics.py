@@ -15,7 +15,15 @@ from qdiff.forcing import ForcedRecorder
 from qdiff.hashcache import HashCache
 from qdiff.io import save_arrays
 from qdiff.labels import Combination, Pair
-from qdiff.metrics import BLOCK, PAIR_METRICS, fork_step, logit_metrics, summarise
+from qdiff.metrics import (
+    BLOCK,
+    PAIR_METRICS,
+    fork_step,
+    logit_metrics,
+    median,
+    percentile,
+    summarise,
+)
 
 
 def test_logit_metrics_match_their_definitions() -> None:
@@ -33,6 +41,21 @@ def test_logit_metrics_match_their_definitions() -> None:
     assert m["top1_agree"].tolist() == [False, True]  # a: token 3; b: a tie, lowest id (2)
     assert m["top1_margin_a"][0] == pytest.approx(1.0)
     assert m["bit_identical"].tolist() == [False, True]
+
+
+def test_median_and_percentile_are_numpys_bit_for_bit() -> None:
+    """qdiff's own median and percentile (numpy's first call imports numpy.ma) give numpy's
+    values exactly, on odd and even counts, ties, one value, NaN and no value at all."""
+    rng = np.random.default_rng(1)
+    samples = [rng.lognormal(-12, 4, size=n) for n in (1, 2, 3, 4, 5, 12, 19, 20, 101)]
+    samples += [np.array([0.5, 0.5, 0.25, 0.5]), np.array([3, 1, 2, 8]), np.array([1e-300, 0.0])]
+    for values in samples:
+        assert median(values) == float(np.median(values)), values
+        for q in (0, 1, 25, 50, 90, 99, 100):
+            assert percentile(values, q) == float(np.percentile(values, q)), (values, q)
+    with_nan = np.array([1.0, np.nan, 2.0])
+    assert np.isnan(median(with_nan)) and np.isnan(percentile(with_nan, 90))
+    assert np.isnan(median(np.array([]))) and np.isnan(percentile([], 99))
 
 
 def test_kl_is_stable_for_large_logits() -> None:

@@ -28,7 +28,14 @@ from qdiff.forcing import compare_forced, first_step_metrics, with_probabilities
 from qdiff.hashcache import HashCache
 from qdiff.io import load_arrays, read_json, write_json
 from qdiff.labels import Combination, Pair
-from qdiff.metrics import PAIR_METRICS, check_comparable, compare_rows, fork_step, summarise
+from qdiff.metrics import (
+    PAIR_METRICS,
+    check_comparable,
+    compare_rows,
+    fork_step,
+    median,
+    summarise,
+)
 from qdiff.records import ErrorInfo, PairResult, Record
 from qdiff.settings import relation
 
@@ -117,7 +124,7 @@ def pair_result(
         **summarise(values),
         "forked": len(forks),
         "first_fork_step": min(forks) if forks else None,
-        "median_fork_step": float(np.median(forks)) if forks else None,
+        "median_fork_step": median(forks) if forks else None,
     }
     return {
         **_head(rec_a, rec_b),

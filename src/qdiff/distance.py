@@ -18,7 +18,7 @@ import numpy as np
 
 from qdiff.compare import label
 from qdiff.forcing import compare_forced, first_step_metrics, with_probabilities
-from qdiff.metrics import METRICS, logit_metrics, summarise
+from qdiff.metrics import METRICS, logit_metrics, median, percentile, summarise
 from qdiff.records import failure_text
 
 
@@ -141,8 +141,8 @@ def against_reference_model(
         status="ok",
         n_prompts=len(kl),
         kl_mean=float(kl.mean()),
-        kl_median=float(np.median(kl)),
-        kl_p99=float(np.percentile(kl, 99)),
+        kl_median=median(kl),
+        kl_p99=percentile(kl, 99),
         kl_max=float(kl.max()),
         same_top=int(values["top1_agree"].sum()),
         rms_dp=float(np.sqrt(np.mean(values["dp_top"] ** 2))),

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from qdiff.metrics import median, percentile
+
 TIE_FACTOR = 2.0
 MIN_SCALE_POSITIONS = 10
 DEFAULT_TOP_K = 1024
@@ -253,7 +255,7 @@ def compare_forced(
     # at most positions (e.g. TF32 on or off, which only long sequences reach) still has a
     # meaningful scale for its forks
     differing = valid & ~identical
-    typical = float(np.median(max_abs[differing])) if differing.any() else 0.0
+    typical = median(max_abs[differing]) if differing.any() else 0.0
     scale_known = int(differing.sum()) >= MIN_SCALE_POSITIONS
     threshold = TIE_FACTOR * typical
 
@@ -289,7 +291,7 @@ def compare_forced(
                 {
                     "position": t,
                     "prompts": int(rows.sum()),
-                    "max_abs_median": float(np.median(max_abs[rows, t])),
+                    "max_abs_median": median(max_abs[rows, t]),
                     "max_abs_max": float(max_abs[rows, t].max()),
                     "kl_mean": float(kl[rows, t].mean()),
                     "top1_agree": int(agree[rows, t].sum()),
@@ -303,12 +305,12 @@ def compare_forced(
         "bit_identical": int(identical[valid].sum()),
         "top1_agree": int(agree[valid].sum()),
         "max_abs": float(max_abs[valid].max(initial=0.0)),
-        "max_abs_median": float(np.median(max_abs[valid])) if n_positions else 0.0,
+        "max_abs_median": median(max_abs[valid]) if n_positions else 0.0,
         "max_abs_median_differing": typical,
-        "max_abs_p90": float(np.percentile(max_abs[valid], 90)) if n_positions else 0.0,
+        "max_abs_p90": percentile(max_abs[valid], 90) if n_positions else 0.0,
         "kl_mean": float(kl_valid.mean()) if n_positions else 0.0,
-        "kl_median": float(np.median(kl_valid)) if n_positions else 0.0,
-        "kl_p99": float(np.percentile(kl_valid, 99)) if n_positions else 0.0,
+        "kl_median": median(kl_valid) if n_positions else 0.0,
+        "kl_p99": percentile(kl_valid, 99) if n_positions else 0.0,
         "kl_max": float(kl_valid.max(initial=0.0)),
         "n_differing": int(differing.sum()),
         "tie_threshold": threshold,

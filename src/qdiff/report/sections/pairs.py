@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from qdiff.compare import headline
-from qdiff.metrics import PAIR_METRICS
+from qdiff.metrics import PAIR_METRICS, median, percentile
 from qdiff.report.fmt import code, count, num, table
 from qdiff.report.view import ModelView
 from qdiff.tolerance import HEADROOM, tolerances
@@ -86,8 +86,8 @@ def reference_distance(view: ModelView) -> str:
                 {
                     "combination": code(p["b"] if p["a"] == reference else p["a"]),
                     "KL mean": num(float(kl.mean())),
-                    "KL median": num(float(np.median(kl))),
-                    "KL p99": num(float(np.percentile(kl, 99))),
+                    "KL median": num(median(kl)),
+                    "KL p99": num(percentile(kl, 99)),
                     "KL max": num(float(kl.max())),
                     "same top token": count(sum(v[2] for v in values), len(values)),
                     "RMS Δp": num(float(np.sqrt(np.mean([v[1] ** 2 for v in values])))),
