@@ -28,7 +28,7 @@ from qdiff.records import RECORD_FORMAT
 from qdiff.run import retry_token
 from qdiff.sources import fingerprint
 from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
-from qdiff.workflow import end_scheduler_timers
+from qdiff.workflow import end_scheduler_timers, signature_once
 
 check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
 # Before Snakemake stores, prints or pickles any of the config: hide what qdiff may not show
@@ -114,7 +114,8 @@ def all_targets(wildcards):
 # flows through the small JSON beside each of them (a model's sidecar, a stage's record),
 # whose checksum Snakemake compares when its timestamp changes. Every ancient input comes
 # with that JSON as a plain input: Snakemake does not rerun a job whose only link to a
-# rerunning job is ancient files.
+# rerunning job is ancient files. The functions of the per-combination rules, which
+# planning calls for every combination, are @signature_once (qdiff.workflow).
 
 
 def combo_of(wildcards):
@@ -157,6 +158,7 @@ def requant_type(wildcards):
     return EXPERIMENT.models[wildcards.model].quant
 
 
+@signature_once
 def combination_inputs(wildcards):
     """What every stage of a combination loads: its model file and the file's sidecar."""
     return {
@@ -165,6 +167,7 @@ def combination_inputs(wildcards):
     }
 
 
+@signature_once
 def forced_inputs(wildcards):
     """A forced pass also needs its own free run's record (a self-check against its
     first-step digests), the teacher's run (the sequences) and, unless it is the teacher,
@@ -185,6 +188,7 @@ def forced_inputs(wildcards):
 def stage_spec(stage):
     """The params function of a stage's spec: exactly the combination's slice of the config."""
 
+    @signature_once
     def spec(wildcards):
         return canonical_json(EXPERIMENT.spec(stage, combo_of(wildcards)))
 
@@ -192,6 +196,7 @@ def stage_spec(stage):
 
 
 def stage_retry_token(stage):
+    @signature_once
     def token(wildcards):
         return retry_token(stage.record(combo_of(wildcards)))
 
@@ -219,6 +224,7 @@ def stage_resources(stage):
     return {"gpu": run_gpus, "mem_mb": model_mem_mb, "runtime": stage.runtime_min}
 
 
+@signature_once
 def run_threads(wildcards):
     """On one machine a job claims every core Snakemake may use, so inference never
     overlaps and its timings (and OpenMP's spinning threads) are undisturbed; override with
@@ -242,6 +248,7 @@ def gguf_mb(input):
     return size_mb(f for f in input if f.endswith(".gguf"))
 
 
+@signature_once
 def model_mem_mb(wildcards, input):
     """Memory a job that loads (or converts) a GGUF file needs: the file, a copy's worth of
     working space and 2 GB for the runtime and the logits (the `mem_mb` a cluster job asks for).
@@ -249,11 +256,13 @@ def model_mem_mb(wildcards, input):
     return int(2 * gguf_mb(input) + 2000)
 
 
+@signature_once
 def run_env(wildcards):
     """The conda environment of the device's backend (for --sdm conda)."""
     return f"../../envs/{EXPERIMENT.devices[wildcards.device].backend}.yaml"
 
 
+@signature_once
 def run_gpus(wildcards):
     return int(EXPERIMENT.devices[wildcards.device].on_gpu)
 
