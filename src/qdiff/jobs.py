@@ -251,7 +251,7 @@ def spawn(
             preexec_fn=child_preexec,  # noqa: PLW1509 - only prctl, no locks
         )
     # A blocking wait returns as the child exits, and a timer kills it when it overruns.
-    # Popen.wait(timeout) would poll every 50 ms, 25 ms late on average for every job.
+    # Popen.wait(timeout) polls, every 50 ms once the child has run a while.
     overran = threading.Event()
 
     def kill() -> None:
