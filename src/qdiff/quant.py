@@ -42,7 +42,7 @@ FLOAT_TYPES = dict(zip(DEQUANT_COPIES, (0, 1, 32), strict=True))
 def quantize(src: Path, dst: Path, target: str, threads: int) -> int:
     """Write ``src`` converted to ``target`` (a QUANT_TYPES or FLOAT_TYPES name) at
     ``dst``; llama_model_quantize's return code (0: done)."""
-    import llama_cpp  # native code: imported only by the child
+    from qdiff.engine.bindings import llama_cpp  # native code: imported only by the child
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads

@@ -3,6 +3,7 @@
 This package loads native code: only the isolated worker process (``qdiff.worker``), the
 quantize child (``qdiff.quant``) and the backend probe (``qdiff.probe``) import it.
 
+- ``bindings``: ``llama_cpp``, the bindings without the high-level API (faster to import);
 - ``log``: llama.cpp's log with its levels (ERROR lines are a failure's reason);
 - ``devices``: the ggml backend devices of this build;
 - ``model``: one model and one context (``LoadedModel``): generation, teacher forcing;
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import llama_cpp
-
+from qdiff.engine.bindings import llama_cpp
 from qdiff.engine.log import LlamaLog
 
 

@@ -8,9 +8,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-import llama_cpp
 import numpy as np
 
+from qdiff.engine.bindings import llama_cpp
 from qdiff.engine.devices import shared_library
 
 

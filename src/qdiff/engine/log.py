@@ -6,7 +6,7 @@ import ctypes
 import os
 from pathlib import Path
 
-import llama_cpp
+from qdiff.engine.bindings import llama_cpp
 
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT
 GGML_LOG_LEVEL_CONT = 5  # continues the previous message

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import numpy as np
 
+from qdiff.engine.bindings import llama_cpp
 from qdiff.settings import KV_CACHE_TYPES, DeviceSettings
 
 ALL_LAYERS = 0x7FFFFFFF  # llama.cpp clamps this to the model's layer count
