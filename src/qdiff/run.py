@@ -25,9 +25,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from qdiff import records, secrets
+from qdiff import jobs, records, secrets
 from qdiff.io import load_array, read_json, write_json
-from qdiff.jobs import StopWorkflow, spawn
+from qdiff.jobs import StopWorkflow
 from qdiff.labels import Combination
 from qdiff.llamalog import failure_reason, parse_placement, tail
 from qdiff.provenance import machine
@@ -91,17 +91,21 @@ def determinism(attempts: list[Path]) -> dict[str, Any]:
     }
 
 
+def _worker_main(argv: list[str]) -> int:
+    from qdiff import worker  # in the child only: it loads llama.cpp
+
+    return worker.main(argv)
+
+
 def _attempt(worker_spec: dict[str, Any], work: Path, log_path: Path, timeout: float) -> int | None:
     """One worker process; its exit code, or None after a timeout."""
     work.mkdir()
     write_json(work / "spec.json", worker_spec)  # placeholders only: no hidden value
     env = {**os.environ, **secrets.reveal_env(worker_spec["settings"].get("env", {}))}
-    return spawn(
-        [sys.executable, "-m", "qdiff.worker", str(work / "spec.json"), str(work)],
-        log_path,
-        timeout,
-        env,
-    )
+    argv = [str(work / "spec.json"), str(work)]
+    if jobs.can_fork():  # the same worker, without a new interpreter's start and imports
+        return jobs.fork(lambda: _worker_main(argv), log_path, timeout, env)
+    return jobs.spawn([sys.executable, "-m", "qdiff.worker", *argv], log_path, timeout, env)
 
 
 def _write_failure(

@@ -1,5 +1,6 @@
 """The isolated child process that runs one stage of one combination:
-``python -m qdiff.worker SPEC OUT``.
+``python -m qdiff.worker SPEC OUT``, or ``main([SPEC, OUT])`` in a child that qdiff.run
+forks (on Linux, ``qdiff.jobs.fork``: the same fresh process, without a new interpreter).
 
 It is the only process that runs inference, so a segfault or abort inside llama.cpp kills
 this process alone; the parent (qdiff.run) records it. On success it writes
