@@ -1,5 +1,7 @@
 """A real single-node SLURM cluster on this machine, for tests: Debian's slurmctld, slurmd and
-munge, with every file (config, key, sockets, state, logs) under one temporary directory.
+munge, with every file (config, key, sockets, state, logs) under one temporary directory, and
+Snakemake's SLURM executor in this Python environment (qdiff's `slurm` extra, which ./setup
+adds only where `sbatch` is found).
 
 Needs root (the daemons and apt-get); CI runs as root.
 """
@@ -11,7 +13,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,8 +23,25 @@ PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 TOOLS = ["slurmctld", "slurmd", "munged", "sbatch", "squeue", "srun", "scontrol"]
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def ensure_plugin() -> None:
+    """Install qdiff's `slurm` extra (pyproject.toml) into this environment unless it is there."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = project["optional-dependencies"]["slurm"]
+    found = subprocess.run(
+        [sys.executable, "-m", "pip", "show", "-q", "snakemake-executor-plugin-slurm"],
+        capture_output=True,
+    )
+    if found.returncode != 0:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], check=True)
+
+
 def ensure_installed() -> None:
-    """Install SLURM and munge from Debian's packages unless they are there already."""
+    """Install SLURM and munge from Debian's packages, and Snakemake's SLURM executor, unless
+    they are there already."""
+    ensure_plugin()
     if all(shutil.which(t) for t in TOOLS):
         return
     if os.geteuid() != 0:
