@@ -428,6 +428,17 @@ def planning(args: argparse.Namespace, workdir: Path) -> None:
     line("planning", warm, "s", 5.0, "lower", f"median of 3; least {warm_min:.2f} s")
 
 
+def executor_plugins() -> str:
+    """The installed executor plugins: they are part of every ``snakemake`` call's start."""
+    from importlib.metadata import distributions
+
+    prefix = "snakemake-executor-plugin-"
+    names = {d.metadata["Name"].lower().replace("_", "-") for d in distributions()}
+    return (
+        ", ".join(sorted(n.removeprefix(prefix) for n in names if n.startswith(prefix))) or "none"
+    )
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_floor":
         print(inference_floor(Path(sys.argv[2])))
@@ -466,6 +477,7 @@ def main() -> None:
     from qdiff.provenance import machine
 
     print(f"qdiff benchmark on {json.dumps(machine())}")
+    print(f"Snakemake's executor plugins, each imported at every start: {executor_plugins()}")
     print(f"snakemake --cores {args.cores}; scratch directory {workdir}")
     for part in parts:
         {"pipeline": pipeline, "compare": compare, "planning": planning}[part](args, workdir)
