@@ -39,6 +39,7 @@ def test_the_bindings_are_the_package_and_the_rest_loads_on_first_use() -> None:
         print(llama_cpp.llama_backend_init is llama_cpp.llama_cpp.llama_backend_init)
         print(b"CPU" in llama_cpp.llama_print_system_info())
         print(llama_cpp.__version__)
+        print(hasattr(llama_cpp, "__all__"), "llama_cpp.llama" in sys.modules)  # a mere probe
         from llama_cpp import Llama
         print(Llama.__module__, "llama_cpp.llama" in sys.modules)
         try:
@@ -53,6 +54,8 @@ def test_the_bindings_are_the_package_and_the_rest_loads_on_first_use() -> None:
         "True",
         "True",
         version("llama_cpp_python"),
+        "False",
+        "False",
         "llama_cpp.llama",
         "True",
         "AttributeError",

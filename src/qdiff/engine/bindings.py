@@ -50,6 +50,8 @@ def _bindings_only() -> ModuleType:
             from importlib.metadata import version
 
             return version("llama_cpp_python")
+        if name.startswith("__"):  # a probe (hasattr(module, "__all__")): not a reason to load
+            raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}")
         package.__dict__.update(_public(importlib.import_module(HIGH_LEVEL)))
         if name in package.__dict__:
             return package.__dict__[name]
