@@ -27,15 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def ensure_plugin() -> None:
-    """Install qdiff's `slurm` extra (pyproject.toml) into this environment unless it is there."""
+    """Install qdiff's `slurm` extra (pyproject.toml) into this environment; pip does nothing
+    where it is there already."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     requirements = project["optional-dependencies"]["slurm"]
-    found = subprocess.run(
-        [sys.executable, "-m", "pip", "show", "-q", "snakemake-executor-plugin-slurm"],
-        capture_output=True,
-    )
-    if found.returncode != 0:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *requirements], check=True)
 
 
 def ensure_installed() -> None:

@@ -278,7 +278,8 @@ def spawn(
 def can_fork() -> bool:
     """Whether ``fork`` may run a child here: on Linux, from a process with one thread (a job's
     supervisor, which loads no native library beyond Python's own). macOS's system frameworks
-    forbid a fork without exec, and a thread could hold a lock the child would wait on."""
+    are not safe across a fork without exec, and a thread could hold a lock the child would
+    wait on."""
     return sys.platform.startswith("linux") and threading.active_count() == 1
 
 
