@@ -17,9 +17,11 @@ It gives each job the same guarantees, whatever the stage:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import faulthandler
 import fcntl
+import gc
 import hashlib
 import os
 import signal
@@ -37,6 +39,20 @@ CLAIMS_DIR = Path(".snakemake/qdiff/claims")
 _STAGING = ".staging"
 _PR_SET_PDEATHSIG = 1
 _console_fd: int | None = None  # the terminal's stderr, before log_to redirected it
+_exit_collection_skipped = False
+
+
+def skip_exit_collection() -> None:
+    """At exit, leave this process's objects to the operating system instead of garbage
+    collecting them: Python's last collection walks the whole heap, and one that holds
+    Snakemake, pandas or matplotlib took 0.2-0.3 s of every job, and of every Snakemake
+    run, on a 2-core AMD EPYC. ``gc.freeze()`` as an exit handler takes every object out
+    of that collection. Exit handlers, open files and logging flush as before; only
+    unreachable reference cycles go unfreed, and nothing in qdiff writes through one."""
+    global _exit_collection_skipped  # noqa: PLW0603 - once per process
+    if not _exit_collection_skipped:
+        atexit.register(gc.freeze)
+        _exit_collection_skipped = True
 
 
 def log_to(path: str | Path) -> TextIO:
@@ -366,6 +382,7 @@ def run(
     ``smk`` is the script's ``snakemake`` object; ``on_failure(job, error)`` writes the
     stage's failure outputs with ``job.out``; outputs it leaves unwritten get empty
     placeholders (``directories`` names the outputs that are directories)."""
+    skip_exit_collection()
     log_to(smk.log[0])
     die_with_workflow()
     job = Job(list(smk.output), smk.log[0] if smk.log else None)

@@ -65,7 +65,9 @@ def delta_histogram(a: np.ndarray, b: np.ndarray, path: Path, title: str) -> Non
     path.parent.mkdir(parents=True, exist_ok=True)
     delta = np.abs(a.astype(np.float64) - b.astype(np.float64))
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.hist(np.log10(delta[delta > 0]), bins=80, color="#3b6ea8")
+    # one filled outline, not ax.hist's 80 bar patches: a third of the figure's time
+    counts, edges = np.histogram(np.log10(delta[delta > 0]), bins=80)
+    ax.stairs(counts, edges, fill=True, color="#3b6ea8")
     ax.set_xlabel("log10 |Δ logit| per vocabulary token")
     ax.set_ylabel("tokens")
     ax.set_title(title)

@@ -14,6 +14,7 @@ from qdiff.config import (
     validate,
 )
 from qdiff.hashcache import HashCache
+from qdiff.jobs import skip_exit_collection
 from qdiff.labels import (
     DEQUANT_COPIES,
     DEQUANT_MODES,
@@ -30,6 +31,7 @@ from qdiff.sources import fingerprint
 from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
 from qdiff.workflow import end_scheduler_timers, signature_once
 
+skip_exit_collection()  # Snakemake's heap: 0.3 s of garbage collection at exit (qdiff.jobs)
 check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
 # Before Snakemake stores, prints or pickles any of the config: hide what qdiff may not show
 # (qdiff.secrets). Jobs get the hidden values through their environment.
