@@ -55,6 +55,30 @@ def test_every_combination_ran_with_real_inference(finished: Workspace) -> None:
                 assert rec["timings"]["decode_ms_per_token"] > 0
 
 
+def test_each_per_combination_job_times_itself_without_snakemake_s_sampler(
+    finished: Workspace,
+) -> None:
+    from qdiff.records import JOB_USAGE
+    from qdiff.stages import STAGES
+
+    for stage in STAGES.values():
+        paths = list((finished.root / stage.folder).rglob("record.json"))
+        assert paths, stage.name
+        for path in paths:
+            timings = json.loads(path.read_text())["timings"]
+            wall, cpu, peak = (timings[k] for k in JOB_USAGE)
+            assert wall > timings["load_s"] > 0, (path, timings)
+            assert cpu > 0, (path, timings)
+            assert 20 < peak < 4096, (path, timings)  # llama.cpp and the tiny model, in MiB
+        # no benchmark file: Snakemake's sampler slowed the inference it watched
+        assert not (finished.root / "results/benchmarks" / stage.name).exists()
+    runs = (finished.root / "results/runs.tsv").read_text().splitlines()
+    header = runs[0].split("\t")
+    assert set(JOB_USAGE) <= set(header)
+    column = header.index("children_peak_rss_mib")
+    assert all(float(row.split("\t")[column]) > 20 for row in runs[1:])
+
+
 def test_provenance_names_versions_buffers_and_kernels(finished: Workspace) -> None:
     rec = record(finished, "tiny.requant-q8_0", "cpu", "none")
     prov = rec["provenance"]

@@ -15,6 +15,9 @@ import uuid
 from typing import Any, TypedDict
 
 RECORD_FORMAT = 3  # bump when a record's fields change (a param of every stage's rule)
+# what a job measures of itself (qdiff.run.job_usage), in an ok record's timings; a record
+# written before they existed lacks them, and nothing depends on them, so no bump
+JOB_USAGE = ("stage_wall_s", "children_cpu_s", "children_peak_rss_mib")
 
 
 class ErrorInfo(TypedDict, total=False):

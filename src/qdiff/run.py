@@ -18,10 +18,12 @@ fresh token, so the next invocation sees a changed param and retries exactly tha
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,21 @@ def _attempt(worker_spec: dict[str, Any], work: Path, log_path: Path, timeout: f
     return jobs.spawn([sys.executable, "-m", "qdiff.worker", *argv], log_path, timeout, env)
 
 
+def job_usage(started: float) -> dict[str, float]:
+    """What a job measures of itself, instead of Snakemake's ``benchmark:`` sampler (which
+    reads every process's memory map twice a second and slowed the inference it watched
+    by 0.8-2.4% on the 2-core AMD EPYC): the stage's wall seconds since ``started``
+    (``time.monotonic``; the job's interpreter start and imports come before), and the CPU
+    seconds and peak resident memory of the llama.cpp children it has waited for (every
+    repeat), from the kernel's own accounting."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rss_unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
+    wall = round(time.monotonic() - started, 3)
+    cpu = round(usage.ru_utime + usage.ru_stime, 3)
+    peak_mib = round(usage.ru_maxrss * rss_unit / 2**20, 1)
+    return dict(zip(records.JOB_USAGE, (wall, cpu, peak_mib), strict=True))
+
+
 def _write_failure(
     stage: Stage,
     worker_spec: dict[str, Any],
@@ -139,6 +156,7 @@ def run_stage(
     None (a run that keeps no first-step logits), the data file of the first attempt;
     return the status. ``inputs`` are the rule's named input files (``model`` and
     its sidecar ``info`` first); ``token`` is the rule's retry_token param."""
+    started = time.monotonic()
     model_info = read_json(Path(inputs["info"]))
     worker_spec = {
         **spec,
@@ -165,6 +183,7 @@ def run_stage(
                 break
         if returncode == 0:
             record = {**read_json(attempts[0] / "record.json"), "run_token": token}
+            record["timings"] = {**record["timings"], **job_usage(started)}
             if len(attempts) > 1:
                 record["determinism"] = determinism(attempts)
             if data_path is not None:

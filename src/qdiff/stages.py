@@ -20,7 +20,7 @@ COMBINATION_PATH = "{model}/{device}/{dequant}"  # Snakemake wildcards of a comb
 
 @dataclass(frozen=True)
 class Stage:
-    name: str  # also the folder of its logs and benchmarks
+    name: str  # also the folder of its logs
     rule: str  # the Snakemake rule
     folder: str  # results folder of its records and data
     data_file: str  # written beside record.json
@@ -49,10 +49,6 @@ class Stage:
     @property
     def log_pattern(self) -> str:
         return f"results/logs/{self.name}/{COMBINATION_PATH}.log"
-
-    @property
-    def benchmark_pattern(self) -> str:
-        return f"results/benchmarks/{self.name}/{COMBINATION_PATH}.tsv"
 
 
 STAGES: dict[str, Stage] = {

@@ -2,6 +2,8 @@
 # each running llama.cpp in an isolated child process, so a crash becomes a "failed" record.
 # One rule body; the other stages are derived from it and differ only in what they read and
 # write. A stage's own rule means changing its settings never reruns the others.
+# No benchmark: Snakemake's sampler reads each process's memory map twice a second, which
+# slowed the inference it watched; each record times its own job (qdiff.run.job_usage).
 
 
 rule run_combination:
@@ -11,8 +13,6 @@ rule run_combination:
         **stage_outputs(RUN),
     log:
         RUN.log_pattern,
-    benchmark:
-        RUN.benchmark_pattern
     conda:
         run_env
     threads: run_threads
@@ -36,8 +36,6 @@ use rule run_combination as force_combination with:
         **stage_outputs(FORCED),
     log:
         FORCED.log_pattern,
-    benchmark:
-        FORCED.benchmark_pattern
     resources:
         **stage_resources(FORCED),
     params:
@@ -54,8 +52,6 @@ use rule run_combination as capture_combination with:
         **stage_outputs(CAPTURE),
     log:
         CAPTURE.log_pattern,
-    benchmark:
-        CAPTURE.benchmark_pattern
     resources:
         **stage_resources(CAPTURE),
     params:

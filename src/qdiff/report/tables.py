@@ -6,6 +6,8 @@ from typing import Any
 
 import pandas as pd
 
+from qdiff.records import JOB_USAGE
+
 
 def pairs_frame(pairs: list[dict[str, Any]]) -> pd.DataFrame:
     rows = []
@@ -35,6 +37,8 @@ def runs_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
             "status": r["status"],
             "backend": r["settings"]["backend"],
             "load_s": r.get("timings", {}).get("load_s"),
+            # the job's own measure of itself (qdiff.run.job_usage); empty in older records
+            **{k: r.get("timings", {}).get(k) for k in JOB_USAGE},
         }
         if r["status"] != "ok":
             rows.append({**base, "error": r.get("error", {}).get("message")})
