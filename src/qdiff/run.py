@@ -113,7 +113,7 @@ def _attempt(worker_spec: dict[str, Any], work: Path, log_path: Path, timeout: f
 def job_usage(started: float) -> dict[str, float]:
     """What a job measures of itself, instead of Snakemake's ``benchmark:`` sampler (which
     reads every process's memory map twice a second and slowed the inference it watched
-    by 0.8-2.4% on the 2-core AMD EPYC): the stage's wall seconds since ``started``
+    by 0.8-3.2% on the 2-core AMD EPYC): the stage's wall seconds since ``started``
     (``time.monotonic``; the job's interpreter start and imports come before), and the CPU
     seconds and peak resident memory of the llama.cpp children it has waited for (every
     repeat), from the kernel's own accounting."""
