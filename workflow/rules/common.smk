@@ -31,7 +31,7 @@ from qdiff.sources import fingerprint
 from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
 from qdiff.workflow import end_scheduler_timers, signature_once
 
-skip_exit_collection()  # Snakemake's heap: 0.3 s of garbage collection at exit (qdiff.jobs)
+skip_exit_collection()  # Snakemake's heap: 0.3 s of garbage collection at exit on the EPYC
 check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
 # Before Snakemake stores, prints or pickles any of the config: hide what qdiff may not show
 # (qdiff.secrets). Jobs get the hidden values through their environment.

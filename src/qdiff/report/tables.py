@@ -30,15 +30,16 @@ def pairs_frame(pairs: list[dict[str, Any]]) -> pd.DataFrame:
 def runs_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
     rows = []
     for r in records:
+        timings = r.get("timings", {})
         base = {
             "model": r["model"],
             "device": r["device"],
             "dequant": r["dequant"],
             "status": r["status"],
             "backend": r["settings"]["backend"],
-            "load_s": r.get("timings", {}).get("load_s"),
+            "load_s": timings.get("load_s"),
             # the job's own measure of itself (qdiff.run.job_usage); empty in older records
-            **{k: r.get("timings", {}).get(k) for k in JOB_USAGE},
+            **{k: timings.get(k) for k in JOB_USAGE},
         }
         if r["status"] != "ok":
             rows.append({**base, "error": r.get("error", {}).get("message")})
