@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from math import nan
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -166,21 +167,23 @@ def floor_seconds(workdir: Path) -> float:
     return float(child("_floor", str(workdir))[0])
 
 
-def recorded_inference(workdir: Path) -> float:
+def recorded_inference(workdir: Path) -> tuple[float, int]:
     """Seconds of inference the experiment's run records give (model load, prompts and
-    decode steps, as the worker timed them): what the floor measures, inside the jobs."""
+    decode steps, as the worker timed them): what the floor measures, inside the jobs; and
+    how many ok run records they come from."""
     from qdiff.stages import RUN
 
-    total = 0.0
+    total, n_records = 0.0, 0
     for path in (workdir / RUN.folder).rglob("record.json"):
         record = json.loads(path.read_text())
         if record["status"] != "ok":
             continue
+        n_records += 1
         total += record["timings"]["load_s"]
         for prompt in record["prompts"]:
             steps = max(len(prompt["tokens"]) - 1, 0)  # the first token comes from the prompt
             total += (prompt["prompt_ms"] + (prompt["decode_ms_per_token"] or 0) * steps) / 1000
-    return total
+    return total, n_records
 
 
 def stage_seconds(workdir: Path) -> dict[str, float]:
@@ -209,7 +212,8 @@ def pipeline_against_floor(runs: Path, cores: int, repeat: int) -> None:
         shutil.rmtree(runs / "results", ignore_errors=True)
         seconds, out = snakemake(runs, cores)
         pipelines.append(seconds)
-        recorded.append(recorded_inference(runs))
+        inference, n_records = recorded_inference(runs)
+        recorded.append(inference)
         floors.append(floor_seconds(runs))
     ran = job_counts(out)
     print(
@@ -218,12 +222,14 @@ def pipeline_against_floor(runs: Path, cores: int, repeat: int) -> None:
     )
     # the ratio in two factors: what the pipeline adds around its inference, and how its
     # inference (as its records time it) compares with the floor's, measured minutes apart
-    around = median(p / r for p, r in zip(pipelines, recorded, strict=True))
-    inside = median(r / f for r, f in zip(recorded, floors, strict=True))
+    # (a tiny model's inference can round to nothing: three decimals, and no ratio over 0)
+    around = median([p / r for p, r in zip(pipelines, recorded, strict=True) if r > 0] or [nan])
+    inside = median([r / f for r, f in zip(recorded, floors, strict=True) if f > 0] or [nan])
     print(
-        f"  the pipelines' own records: {', '.join(f'{s:.1f}' for s in recorded)} s of "
-        f"inference; pipeline / its records {around:.2f}x (Snakemake, process starts, "
-        f"comparisons, report), its records / floor {inside:.2f}x (medians)"
+        f"  the pipelines' own records ({n_records} ok run records): "
+        f"{', '.join(f'{s:.3f}' for s in recorded)} s of inference; pipeline / its records "
+        f"{around:.2f}x (Snakemake, process starts, comparisons, report), its records / "
+        f"floor {inside:.2f}x (medians)"
     )
     # each pipeline over the floor measured right after it: a shared machine's drift over
     # minutes cancels in a pair, so the median of the pairs is the figure
