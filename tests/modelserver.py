@@ -1,5 +1,7 @@
 """A real HTTP server on 127.0.0.1 that serves a model file, for tests: resumable ranges,
-redirects, 404s, transient 503s, dropped connections and a trickle that stalls."""
+redirects (one to a plain-http host elsewhere, with a signed query), 404s (and paths that
+answer 404 until they are fixed), transient 503s, dropped connections, a trickle that stalls
+and a body that never ends."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+REDIRECT_QUERY = "X-Amz-Signature=redirect-secret-5150"
 
 
 class ModelServer(ThreadingHTTPServer):
@@ -21,6 +25,7 @@ class ModelServer(ThreadingHTTPServer):
         self.drops_left = 0  # requests to cut off halfway
         self.failures_left = 0  # requests to answer with 503
         self.trickle: tuple[int, float] | None = None  # (bytes, seconds) per write: a slow server
+        self.gone: set[str] = set()  # paths that answer 404, until removed from here
 
     @property
     def base(self) -> str:
@@ -35,7 +40,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _body(self) -> bytes | None:
         path = self.path.split("?")[0]
-        if path.endswith("/missing.gguf"):
+        if path.endswith("/missing.gguf") or path in self.server.gone:
             return None
         if path.endswith("/page.html"):
             return b"<html>not a model</html>"
@@ -56,11 +61,26 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         server = self.server
         server.requests.append(("GET", self.path, dict(self.headers)))
+        if self.path.startswith("/redirect-away"):  # to plain http off loopback, signed
+            self.send_response(302)
+            self.send_header("Location", f"http://example.invalid/m.gguf?{REDIRECT_QUERY}")
+            self.end_headers()
+            return
         if self.path.startswith("/redirect"):
             self.send_response(302)
             self.send_header("Location", "/model.gguf")
             self.end_headers()
             return
+        if self.path.startswith("/forever"):  # a GGUF header, then zeros, with no length
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"GGUF")
+            try:
+                while True:
+                    self.wfile.write(bytes(1 << 16))
+                    time.sleep(0.005)
+            except OSError:  # the client hung up
+                return
         if server.failures_left:
             server.failures_left -= 1
             self.send_error(503)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO, Workspace, tiny_config
-from qdiff.config import ConfigError, check_duplicate_keys, load_experiment
+from qdiff.config import ConfigError, check_config_files, load_experiment
 from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
 
 GOOD = tiny_config(Path("/models/tiny.gguf"))
@@ -192,6 +192,14 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
             changed(first_step_logits="top_k", report={"writeup_claims": True}),
             "config.first_step_logits: top_k cannot check report.writeup_claims",
         ),
+        (
+            changed(prompts=[{"id": "a", "text": "before\x00after"}]),
+            "config.prompts[0].text (prompt 'a'): contains a NUL character",
+        ),
+        (
+            changed(devices__cpu__env={"NOT A NAME": "1"}),
+            "config.devices.cpu.env: 'NOT A NAME' does not match",
+        ),
     ],
 )
 def test_bad_config_names_the_key(config: dict, expected: str) -> None:
@@ -230,6 +238,76 @@ def test_prompt_file(tmp_path: Path) -> None:
         load_experiment(changed(prompts="empty.yaml"), base_dir=tmp_path)
 
 
+def test_a_prompt_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    (tmp_path / "latin1.yaml").write_bytes("- {id: a, text: café}\n".encode("latin-1"))
+    assert (
+        f"config.prompts: prompt file {tmp_path / 'latin1.yaml'} is not UTF-8 text (byte 0xe9 "
+        "on line 1, offset 19): save it as UTF-8"
+    ) in problems(changed(prompts=str(tmp_path / "latin1.yaml")))
+
+
+SIGNED = "sig-in-a-spaced-url-31337"
+TOKEN = "hf_pastedTokenNotAName8ch3"
+
+
+def test_a_config_error_never_shows_a_secret(workspace: Workspace) -> None:
+    """A model URL with a space in its path (Python's HTTP client would refuse it later, with
+    an error that quotes the whole URL) and a token pasted where its variable's name belongs:
+    both named before any job, neither value shown on the console or kept in .snakemake/."""
+    workspace.write_config(
+        changed(
+            models={
+                "spaced": {"url": f"https://h.example/a b.gguf?sig={SIGNED}", "sha256": "0" * 64},
+                "pasted": {
+                    "url": "https://h.example/m.gguf",
+                    "sha256": "0" * 64,
+                    "token_env": TOKEN,
+                },
+            }
+        )
+    )
+    proc = workspace.snakemake("--dry-run", check=False)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert (
+        "config.models.spaced.url: https://h.example/a b.gguf?… contains a space or a control "
+        "character: percent-encode it (a space is %20)"
+    ) in said
+    assert (
+        "config.models.pasted.token_env: must be the name of the environment variable that "
+        "holds the token (capital letters, digits and _, e.g. HF_TOKEN), not the token itself"
+    ) in said
+    kept = [p for p in (workspace.root / ".snakemake").rglob("*") if p.is_file()]
+    assert SIGNED not in said and TOKEN not in said
+    assert not any(s.encode() in p.read_bytes() for p in kept for s in (SIGNED, TOKEN))
+
+
+YTE = """__use_yte__: true
+models:
+  ?if __import__("pathlib").Path("{ran}").write_text("ran"):
+    m: {{path: a.gguf}}
+"""
+
+
+def test_a_templated_config_is_refused(workspace: Workspace) -> None:
+    """YTE: Snakemake runs a config that sets __use_yte__ as Python code while it loads it.
+    qdiff refuses such a config; the default config.yaml is refused before Snakemake loads
+    it, so its code never runs. A --configfile is loaded, code and all, before any of
+    qdiff's code runs: the README says so."""
+    ran = workspace.root / "yte-ran"
+    workspace.config_path.parent.mkdir(parents=True)
+    workspace.config_path.write_text(YTE.format(ran=ran))
+    proc = workspace.snakemake("--dry-run", check=False)
+    assert proc.returncode != 0
+    assert "config/config.yaml: sets __use_yte__" in proc.stdout + proc.stderr
+    assert not ran.exists()
+    other = workspace.root / "other.yaml"
+    other.write_text(YTE.format(ran=ran))
+    proc = workspace.snakemake("--dry-run", "--configfile", str(other), check=False)
+    assert proc.returncode != 0 and "other.yaml: sets __use_yte__" in proc.stdout + proc.stderr
+    assert ran.exists()  # Snakemake ran it: what the README warns of
+
+
 def test_workflow_stops_before_any_job_on_a_bad_config(workspace: Workspace) -> None:
     workspace.write_config(changed(devices__cpu__n_thread=4))
     proc = workspace.snakemake("--dry-run", check=False)
@@ -264,4 +342,4 @@ def test_duplicate_keys_are_named_not_silently_merged(workspace: Workspace) -> N
     path = workspace.root / "dup.yaml"
     path.write_text(nested)
     with pytest.raises(ConfigError, match=r"duplicate key 'cpu' on line 3 \(first on line 2\)"):
-        check_duplicate_keys([path])
+        check_config_files([path])

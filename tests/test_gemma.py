@@ -87,5 +87,14 @@ def test_default_experiment_report(default_run: Workspace) -> None:
         assert "cross-device" not in tolerances and "teacher-forced positions" in tolerances
 
 
+def test_the_exact_stages_memory_estimate_covers_its_peak(default_run: Workspace) -> None:
+    """The estimate the exact stage is refused by (qdiff.exact.memory_needed) is never below
+    the peak resident memory it measured, on the real models; and not far above."""
+    for model in MODELS:
+        record = json.loads((default_run.root / f"results/exact/{model}/record.json").read_text())
+        estimate, peak = record["memory_estimate_mib"], record["peak_rss_mib"]
+        assert peak <= estimate <= 1.5 * peak, (model, estimate, peak)
+
+
 def test_rerun_plans_nothing(default_run: Workspace) -> None:
     assert default_run.planned_jobs() == []

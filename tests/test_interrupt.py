@@ -132,3 +132,60 @@ def test_a_late_writer_never_overwrites_a_newer_result(
     assert not late.commit(lambda out, staged: None)
     assert output.read_text() == "newer"
     assert sorted(p.name for p in output.parent.iterdir()) == ["record.json"]
+
+
+def test_a_second_workflow_in_the_same_directory_stops_before_any_job(
+    workspace: Workspace, tiny_gguf: Path
+) -> None:
+    """Snakemake's own lock checks, then writes, so two workflows started at one instant can
+    both pass it and run every job twice. qdiff's own lock (an flock, taken just before the
+    first job) cannot be held twice: a second `snakemake` started while the first runs jobs,
+    even with --nolock, which skips Snakemake's lock, stops before any job; and of two
+    started at one instant, one runs and the other stops."""
+    prompts = [{"id": f"p{i}", "text": f"Once upon a time {i}"} for i in range(30)]
+    config = tiny_config(
+        tiny_gguf,
+        prompts=prompts,
+        generation={"n_tokens": 200, "n_ctx": 512},
+        teacher_forcing={"enabled": False},
+        capture={"enabled": False},
+        exact={"enabled": False},
+    )
+    del config["models"]["tiny"]["requantize"]
+    workspace.write_config(config)
+    first = subprocess.Popen(
+        workspace.command(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        logs = workspace.root / "results/logs/run"
+        while first.poll() is None and not (logs.exists() and any(logs.rglob("*.log"))):
+            time.sleep(0.05)  # until the first workflow runs a job
+        second = workspace.snakemake("--nolock", check=False)
+        assert second.returncode != 0
+        said = second.stdout + second.stderr
+        assert "another snakemake is running this workflow in" in said, said[-2000:]
+        assert "rule run_combination" not in said and "localrule" not in said
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    workspace.snakemake("--unlock")
+    quick = {**config, "prompts": prompts[:2], "generation": {"n_tokens": 4, "n_ctx": 128}}
+    workspace.write_config(quick)
+    for _ in range(3):  # at one instant
+        for leftover in ("results", ".snakemake"):
+            subprocess.run(["rm", "-rf", str(workspace.root / leftover)], check=True)
+        both = [
+            subprocess.Popen(
+                workspace.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            for _ in range(2)
+        ]
+        codes = sorted(p.wait(timeout=600) for p in both)
+        outputs = [p.stdout.read() for p in both if p.stdout]
+        assert codes[0] == 0 and codes[1] != 0, outputs
+        records = list((workspace.root / "results/runs").rglob("record.json"))
+        assert len(records) == 4
+        assert all(json.loads(r.read_text())["status"] == "ok" for r in records)

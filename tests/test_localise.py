@@ -210,7 +210,7 @@ def test_report_says_when_capturing_changed_the_logits() -> None:
         ],
     }
     text = localised(_view(entry))
-    assert "**Capturing changed the logits of cuda.none**" in text
+    assert "**Capturing changed the logits of `cuda.none`**" in text
     entry["prompts"][0]["capture_changed_logits"] = []
     text = localised(_view(entry))
     assert "Capturing left both combinations' logits bit-identical." in text

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import in_child
 from qdiff import secrets
 
 
@@ -60,14 +61,40 @@ def test_scrub_hides_values_and_urls_in_place_and_reveal_restores_them(
     changed = {"devices": {"cpu": {"env": {"MY_PAT": "s3cret-value2"}}}}
     secrets.scrub_config(changed, tmp_path / "key")
     assert changed["devices"]["cpu"]["env"]["MY_PAT"] != env["MY_PAT"]
-    for name in list(os.environ):
-        if name.startswith(secrets.ENV_PREFIX):
-            monkeypatch.delenv(name)
+    monkeypatch.delenv(secrets.VAULT_ENV, raising=False)
     with pytest.raises(secrets.HiddenValueMissingError, match="run it through snakemake"):
         secrets.reveal(url)
-    secrets.export(table)
-    assert secrets.reveal(url) == "https://host/m.gguf?sig=abc123&exp=9"
-    assert secrets.reveal_env(env) == {"GGML_X": "1", "MY_PAT": "s3cret-value"}
+    message = "GET https://host/m.gguf?sig=abc123&exp=9 failed; token s3cret-value"
+    # in a child process: serving starts a thread, and a process that reveals keeps a record
+    held, revealed, env_revealed, scrubbed = in_child(served, table, url, env, message)
+    assert not held  # the environment holds the socket's path, no value
+    assert revealed == "https://host/m.gguf?sig=abc123&exp=9"
+    assert env_revealed == {"GGML_X": "1", "MY_PAT": "s3cret-value"}
+    # what a process revealed never leaves it again: records, logs, messages
+    assert scrubbed == f"GET https://host/m.gguf?{url.split('?')[1]} failed; token {env['MY_PAT']}"
+
+
+def served(
+    table: dict[str, str], url: str, env: dict[str, str], message: str
+) -> tuple[bool, str, dict[str, str], str]:
+    """Serve ``table`` from this process and reveal through it, as a job does."""
+    secrets.serve(table)  # a socket in a private folder; the environment holds its path only
+    held = any(v in value for value in os.environ.values() for v in table.values())
+    revealed, env_revealed = secrets.reveal(url), secrets.reveal_env(env)
+    assert secrets.scrub({"a": [message]}) == {"a": [secrets.scrub(message)]}
+    return held, revealed, env_revealed, secrets.scrub(message)
+
+
+def test_messages_lose_every_urls_query_and_credentials() -> None:
+    """A redirect's signed URL, or a URL the HTTP client quotes, is never a known value."""
+    message = (
+        "refusing redirect to 'http://other.example/x.gguf?X-Amz-Signature=abc#frag': "
+        "InvalidURL: URL can't contain control characters. 'https://u:p@h/a b?sig=1'"
+    )
+    said = secrets.scrub_message(message)
+    for hidden in ("X-Amz-Signature", "abc", "frag", "u:p@", "sig=1"):
+        assert hidden not in said, hidden
+    assert "http://other.example/x.gguf?…" in said and "https://h/a" in said
 
 
 def test_nothing_to_hide_creates_no_key(tmp_path: Path) -> None:

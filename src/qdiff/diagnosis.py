@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
+from qdiff import markdown
 from qdiff.backends import BACKENDS
 from qdiff.compare import headline
 from qdiff.forcing import MIN_SCALE_POSITIONS, TIE_FACTOR
@@ -95,11 +96,12 @@ class Matrix:
         return None if row is None else row["first_step"]["max_abs"]
 
     def settings_only(self, d1: str, d2: str) -> list[str] | None:
-        """The settings that differ between two devices of one backend, else None."""
+        """The settings that differ between two devices of one backend, else None; as the
+        findings' Markdown quotes them (a setting's value is the user's text)."""
         if self.backend[d1] != self.backend[d2]:
             return None
         p = self.pair((d1, "none"), (d2, "none"))
-        return None if p is None else p["differs"]
+        return None if p is None else [markdown.text(d) for d in p["differs"]]
 
 
 def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:

@@ -109,6 +109,34 @@ def closest(rows: list[dict[str, Any]]) -> str | None:
     return min(ok, key=lambda r: r["first_step"]["max_abs"])["combination"] if ok else None
 
 
+def tokenizer_problem(reference: dict[str, Any], record: dict[str, Any]) -> str | None:
+    """Why two runs' logits do not index the same tokens, or None: other token texts (the
+    same vocabulary size is not enough), or prompts that tokenize to other ids."""
+    theirs, ours = (r["provenance"]["model_file"].get("tokenizer") for r in (reference, record))
+    if theirs is None or ours is None:
+        return (
+            "the tokenizers were not recorded (a model file made by an older qdiff): make it "
+            "again, e.g. snakemake --forcerun fetch_model, to compare the two models"
+        )
+    if theirs["sha256"] != ours["sha256"]:
+        return (
+            f"another tokenizer than the reference model's ({ours['n_tokens']} vs "
+            f"{theirs['n_tokens']} tokens, other token texts): their logits index other "
+            "tokens, so they are not comparable"
+        )
+    other = [
+        p["id"]
+        for p, q in zip(record["prompts"], reference["prompts"], strict=True)
+        if p["prompt_tokens"] != q["prompt_tokens"]
+    ]
+    if other:
+        return (
+            f"prompts {', '.join(other)} tokenize to other ids than in the reference model's "
+            "run (another chat template?): the first steps answer other inputs"
+        )
+    return None
+
+
 def against_reference_model(
     reference: dict[str, Any],
     reference_logits: np.ndarray,
@@ -126,6 +154,8 @@ def against_reference_model(
         return {**row, "status": "n/a", "reason": f"the reference {label(reference)} did not run"}
     if [p["id"] for p in record["prompts"]] != [p["id"] for p in reference["prompts"]]:
         return {**row, "status": "n/a", "reason": "other prompts than the reference model's run"}
+    if problem := tokenizer_problem(reference, record):
+        return {**row, "status": "n/a", "reason": problem}
     if logits.shape != reference_logits.shape:
         return {
             **row,

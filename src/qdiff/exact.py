@@ -388,3 +388,59 @@ def reference(
         "first_logits": first,
         "first_logits_cpu_roundings": first_cpu,
     }
+
+
+BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
+READER_BYTES_PER_TOKEN = 2560  # gguf-py's reader holds every vocabulary entry as arrays
+
+
+def memory_needed(model: Path, n_prompts: int, max_positions: int) -> int:
+    """Bytes ``reference`` needs for ``model`` along ``n_prompts`` prompts of at most
+    ``max_positions`` tokens, read off the file's tensor shapes before anything is loaded:
+    every weight in float64 (they are kept), the float32 copy of the largest one while it
+    is converted, the full-vocabulary logits it keeps and computes, the GGUF reader (which
+    parses the whole vocabulary: about 2.5 KiB a token, measured on Gemma 3's 262,144) and
+    a base. tests/test_gemma.py checks it against the peak resident memory of the default
+    experiment's models: never below, and within 1.5x."""
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+    sizes = [int(t.n_elements) for t in reader.tensors]
+    vocab = reader.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(vocab.data) if vocab is not None else 0
+    logits = 8 * n_vocab * (2 * n_prompts + max_positions)
+    reader_bytes = READER_BYTES_PER_TOKEN * n_vocab
+    return 8 * sum(sizes) + 4 * max(sizes, default=0) + logits + reader_bytes + BASE_MEMORY
+
+
+def main(argv: list[str]) -> int:
+    """``python -m qdiff.exact SPEC OUT``: ``reference`` in a process of its own, so that
+    the kernel's out-of-memory killer ends this process alone and its supervisor records
+    it (workflow/scripts/exact_reference.py). Writes ``OUT/record.json`` and
+    ``OUT/exact.npz``, or ``OUT/error.json`` (with ``kind`` "unsupported" for an
+    architecture the engine does not have)."""
+    from qdiff.io import load_arrays, read_json, save_arrays, write_json
+
+    spec, out = read_json(Path(argv[0])), Path(argv[1])
+    run = read_json(Path(spec["teacher_run"]))
+    slices = load_arrays(Path(spec["teacher_data"]))["slice_ids"] if spec["teacher_data"] else None
+    try:
+        record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"])
+    except UnsupportedArchitectureError as exc:
+        write_json(out / "error.json", {"kind": "unsupported", "message": str(exc)})
+        return 3
+    except MemoryError:
+        write_json(
+            out / "error.json",
+            {"kind": "memory", "message": "the float64 engine ran out of memory (MemoryError)"},
+        )
+        return 1
+    save_arrays(out / "exact.npz", arrays)
+    write_json(out / "record.json", record)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

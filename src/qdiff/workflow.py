@@ -2,14 +2,52 @@
 
 from __future__ import annotations
 
+import fcntl
 import inspect
+import os
 import threading
+import time
 from collections.abc import Callable
-from typing import TypeVar
+from pathlib import Path
+from typing import IO, TypeVar
 
 import snakemake.common
 
 F = TypeVar("F", bound=Callable[..., object])
+WORKFLOW_LOCK = Path(".snakemake/qdiff/workflow.lock")
+_held: IO[str] | None = None  # open for as long as this process runs the workflow
+
+
+class WorkflowRunningError(RuntimeError):
+    """Another Snakemake runs this workflow in this directory."""
+
+
+def hold_workflow_lock(path: Path = WORKFLOW_LOCK) -> None:
+    """Run jobs in this directory only while holding its lock: an exclusive ``flock`` held
+    until this process ends (the kernel releases it however the process ends, a kill
+    included). Snakemake's own lock checks, then writes, so two workflows started at the
+    same instant can both pass it and run every job twice. Called by the workflow's onstart
+    handler, which runs only when jobs are about to run (not for a dry run, --report,
+    --unlock, ...), in Snakemake's main process."""
+    global _held  # noqa: PLW0603 - one lock per process, held until it exits
+    if _held is not None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 - held open until the process exits
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise WorkflowRunningError(
+            f"another snakemake is running this workflow in {Path.cwd()} ({holder}): "
+            "wait for it to end, or stop it; two at once would run every job twice"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _held = handle
 
 
 def end_scheduler_timers() -> None:

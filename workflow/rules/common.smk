@@ -1,5 +1,6 @@
 # Validation, the matrix, every target, path helpers and wildcard constraints.
 # The config is checked here, at parse time, so a bad key stops the workflow before any job.
+import functools
 import json
 import re
 from pathlib import Path
@@ -8,7 +9,7 @@ from qdiff import secrets
 from qdiff.compare import COMPARE_FORMAT
 from qdiff.config import (
     canonical_json,
-    check_duplicate_keys,
+    check_config_files,
     model_file,
     model_info_file,
     validate,
@@ -27,22 +28,24 @@ from qdiff.probe import check_strict_devices
 from qdiff.provenance import llama_build_id
 from qdiff.records import RECORD_FORMAT
 from qdiff.run import retry_token
-from qdiff.sources import fingerprint
+from qdiff.sources import fingerprint, made_file_problem
 from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
-from qdiff.workflow import end_scheduler_timers, signature_once
+from qdiff.workflow import end_scheduler_timers, hold_workflow_lock, signature_once
 
 skip_exit_collection()  # Snakemake's heap: 0.3 s of garbage collection at exit on the EPYC
-check_duplicate_keys(workflow.configfiles)  # YAML would silently keep the last one
+check_config_files(workflow.configfiles)  # duplicate keys, templates
 # Before Snakemake stores, prints or pickles any of the config: hide what qdiff may not show
-# (qdiff.secrets). Jobs get the hidden values through their environment.
-secrets.export(secrets.scrub_config(config))
+# (qdiff.secrets). The jobs that need a hidden value ask this process for it.
+secrets.serve(secrets.scrub_config(config))
 EXPERIMENT, VALIDATED = validate(config, base_dir=Path.cwd())
 # scripts read runtime knobs (timeouts, stall limits) from the config, with their defaults
 config.clear()
 config.update(VALIDATED)
 ON_THIS_MACHINE = not (workflow.remote_exec or workflow.non_local_exec)
-if EXPERIMENT.strict_devices and ON_THIS_MACHINE:
-    check_strict_devices(EXPERIMENT)  # before any job: the missing backend, named
+# strict_devices: a missing backend is named before any job runs (onstart below), and by a
+# dry run; --report, --unlock and the like, which run no job, work on any machine
+if EXPERIMENT.strict_devices and ON_THIS_MACHINE and workflow.output_settings.dryrun:
+    check_strict_devices(EXPERIMENT)
 HASHES = HashCache()
 LLAMA_BUILD = llama_build_id(HASHES)  # a rebuilt llama-cpp-python reruns every stage
 REPORT_FILES = [
@@ -52,6 +55,15 @@ REPORT_FILES = [
     "results/summary.html",
 ]
 ENABLED_STAGES = [s for s in STAGES.values() if EXPERIMENT.stage_enabled(s)]
+
+
+# Just before the first job: qdiff's own lock on this directory (qdiff.workflow), and a
+# missing backend named (strict_devices)
+onstart:
+    if workflow.is_main_process:
+        hold_workflow_lock()
+        if EXPERIMENT.strict_devices and ON_THIS_MACHINE:
+            check_strict_devices(EXPERIMENT)
 
 
 # Snakemake waits for its scheduler's last timer at exit: a second per run (qdiff.workflow)
@@ -133,19 +145,37 @@ def read_json_or_none(path):
 
 def fetch_params(wildcards):
     """What the fetched file's content depends on (qdiff.sources.fingerprint)."""
-    spec = EXPERIMENT.models[wildcards.model]
-    existing = read_json_or_none(model_info_file(spec.name))
-    content = fingerprint(spec, existing, HASHES)
+    content = fingerprint(EXPERIMENT.models[wildcards.model], HASHES)
     HASHES.save()
     return canonical_json(content)
 
 
+# A job's retry_token param (qdiff.run.retry_token), worked out once per invocation: Snakemake
+# asks for params again after it has removed the outputs of a job it is about to run, and
+# the token must be the one it compared and stores.
+token_of = functools.cache(retry_token)
+
+
+@functools.cache
+def made_model_token(model, copy):
+    """The fetch's or derivation's retry_token: its sidecar's (a failed one is retried), or,
+    when the file's bytes are not those its sidecar records or the pin names, a token that
+    says so, and the file is made again (qdiff.sources.made_file_problem)."""
+    info = model_info_file(model, copy)
+    pin = EXPERIMENT.models[model].sha256 if copy == "none" else None
+    problem = made_file_problem(
+        Path(model_file(model, copy)), read_json_or_none(info), pin, HASHES
+    )
+    HASHES.save()
+    return f"remake: {problem}" if problem else token_of(info)
+
+
 def model_retry_token(wildcards):
-    """A failed fetch or derivation is retried by the next invocation (qdiff.run). A
-    function of the wildcards only: Snakemake leaves params that read output out of its
-    rerun check."""
-    copy = dict(wildcards.items()).get("dqcopy", "none")
-    return retry_token(model_info_file(wildcards.model, copy))
+    """A function of the wildcards only: Snakemake leaves params that read output out of
+    its rerun check."""
+    return made_model_token(
+        wildcards.model, dict(wildcards.items()).get("dqcopy", "none")
+    )
 
 
 def parent_model(wildcards):
@@ -200,9 +230,15 @@ def stage_spec(stage):
 def stage_retry_token(stage):
     @signature_once
     def token(wildcards):
-        return retry_token(stage.record(combo_of(wildcards)))
+        return token_of(stage.record(combo_of(wildcards)))
 
     return token
+
+
+def kept_outputs(outputs):
+    """Outputs that a job keeps when they were made of its very inputs (qdiff.jobs, reuse):
+    update() asks Snakemake to leave them in place when the job runs."""
+    return {name: update(path) for name, path in outputs.items()}
 
 
 def stage_outputs(stage):
@@ -210,7 +246,7 @@ def stage_outputs(stage):
     outputs = {"record": stage.record_pattern}
     if EXPERIMENT.keeps_data(stage):
         outputs["data"] = stage.data_pattern
-    return outputs
+    return kept_outputs(outputs)
 
 
 def data_files(stage, combos):
@@ -226,6 +262,12 @@ def stage_resources(stage):
     return {"gpu": run_gpus, "mem_mb": model_mem_mb, "runtime": stage.runtime_min}
 
 
+def given_cores():
+    """--cores, or 1 where the command gives none: --report and --summary plan jobs, and
+    ask for their threads, but run none (workflow.cores raises there)."""
+    return workflow.global_resources["_cores"].value or 1
+
+
 @signature_once
 def run_threads(wildcards):
     """On one machine a job claims every core Snakemake may use, so inference never
@@ -235,7 +277,7 @@ def run_threads(wildcards):
     threads = EXPERIMENT.devices[wildcards.device].threads
     if not ON_THIS_MACHINE:
         return threads
-    return max(workflow.cores, threads)
+    return max(given_cores(), threads)
 
 
 def size_mb(files):
@@ -338,14 +380,14 @@ def exact_inputs(wildcards):
 
 def exact_threads(wildcards):
     """numpy's BLAS uses every core it may: claim them all on one machine."""
-    return max(workflow.cores, 1) if ON_THIS_MACHINE else 2
+    return max(given_cores(), 1) if ON_THIS_MACHINE else 2
 
 
 def report_threads(wildcards):
     """The report renders its models side by side: one process per model, up to every core
     on one machine (it is the last job there), or 4 on a cluster."""
     return max(
-        1, min(len(EXPERIMENT.run_models), workflow.cores if ON_THIS_MACHINE else 4)
+        1, min(len(EXPERIMENT.run_models), given_cores() if ON_THIS_MACHINE else 4)
     )
 
 
@@ -355,7 +397,7 @@ def exact_mem_mb(wildcards, input):
 
 
 def exact_retry_token(wildcards):
-    return retry_token(exact_file(wildcards.model, "record"))
+    return token_of(exact_file(wildcards.model, "record"))
 
 
 def distance_inputs(wildcards):

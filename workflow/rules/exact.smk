@@ -7,8 +7,12 @@ rule exact_reference:
     input:
         unpack(exact_inputs),
     output:
-        record=exact_file("{model}", "record"),
-        data=exact_file("{model}", "data"),
+        **kept_outputs(
+            {
+                "record": exact_file("{model}", "record"),
+                "data": exact_file("{model}", "data"),
+            }
+        ),
     log:
         "results/logs/exact/{model}.log",
     benchmark:

@@ -37,4 +37,4 @@ def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
     )
 
 
-jobs.run(snakemake, body, failed)
+jobs.run(snakemake, body, failed, reuse=True)

@@ -4,7 +4,7 @@
 from pathlib import Path
 
 from qdiff import jobs, records
-from qdiff.hashcache import sha256_of
+from qdiff.hashcache import remember_made, sha256_of
 from qdiff.io import read_json, write_json
 from qdiff.quant import derive
 
@@ -12,6 +12,7 @@ gguf, info = Path(snakemake.output.gguf), Path(snakemake.output.info)
 target = snakemake.params.target
 parent = read_json(Path(snakemake.input.info))
 origin = f"{target} of {parent['file']} (sha256 {parent['sha256']})"
+made: dict[str, str] = {}  # the copy's sha256, once it is known
 
 
 def body(job: jobs.Job) -> None:
@@ -25,15 +26,19 @@ def body(job: jobs.Job) -> None:
         Path(snakemake.log[0]),
         snakemake.config["run_timeout_s"],
     )
+    made["sha256"] = sha256_of(staged)
     write_json(
         job.out(info),
         records.model_info(
             gguf.name,
-            sha256_of(staged),
+            made["sha256"],
             staged.stat().st_size,
             origin,
-            # llama_model_quantize copies the file's metadata; the source's licence applies
+            # llama_model_quantize copies the file's metadata: the source's licence and
+            # tokenizer are the copy's
             parent.get("licence", "not recorded"),
+            parent.get("tokenizer"),
+            snakemake.params.retry_token,
         ),
     )
 
@@ -42,4 +47,4 @@ def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
     write_json(job.out(info), records.failed_model_info(gguf.name, origin, error))
 
 
-jobs.run(snakemake, body, failed)
+jobs.run(snakemake, body, failed, committed=lambda: remember_made(gguf, made.get("sha256")))

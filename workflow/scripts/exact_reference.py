@@ -1,16 +1,40 @@
-"""The exact answer of one model's weights, in float64, along the teacher's text
-(rule exact_reference)."""
+"""The exact answer of one model's weights, in float64, along the teacher's text, computed
+in a child process after a memory estimate (rule exact_reference)."""
 
+import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 from qdiff import jobs, records
-from qdiff.exact import UnsupportedArchitectureError, reference
-from qdiff.io import load_arrays, read_json, save_arrays, write_json
+from qdiff.exact import memory_needed
+from qdiff.io import read_json, write_json
 from qdiff.labels import Combination
 from qdiff.provenance import machine
 
 i, out, model = snakemake.input, snakemake.output, snakemake.wildcards.model
 head = {"qdiff_record": records.RECORD_FORMAT, "stage": "exact", "model": model}
+GIB = 2**30
+UNSUPPORTED = 3  # qdiff.exact.main's exit code for an architecture it does not have
+
+
+def memory_check(run: dict) -> int:
+    """The engine's estimate, in bytes, refused (StageError) beyond what it may take."""
+    lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in run["prompts"]]
+    needed = memory_needed(Path(i.model), len(lengths), max(lengths, default=0))
+    configured = snakemake.config["exact"]["max_memory_gib"]
+    limit, what = (
+        (configured * GIB, "exact.max_memory_gib") if configured else jobs.available_memory()
+    )
+    if needed > limit:
+        raise jobs.StageError(
+            f"the float64 engine needs about {needed / GIB:.2f} GiB for {model}, and "
+            f"{what} allows {max(limit, 0) / GIB:.2f} GiB: free memory, set "
+            "exact.max_memory_gib if this machine can give more than qdiff sees, or set "
+            "exact.enabled: false"
+        )
+    return needed
 
 
 def body(job: jobs.Job) -> None:
@@ -19,21 +43,44 @@ def body(job: jobs.Job) -> None:
     not_ok = [r for r in (info, run, forced) if r is not None and r.get("status", "ok") != "ok"]
     if not_ok:
         raise jobs.StageError(f"no exact reference: {records.failure_text(not_ok[0])}")
-    slices = load_arrays(Path(i.teacher_data))["slice_ids"] if forced is not None else None
-    try:
-        record, arrays = reference(Path(i.model), run, slices, snakemake.params.top_k)
-    except UnsupportedArchitectureError as exc:
-        write_json(
-            job.out(out.record),
-            {
-                **head,
-                "status": "unsupported",
-                "reason": str(exc),
-                "run_token": snakemake.params.retry_token,
-            },
+    needed = memory_check(run)
+    folder = Path(out.record).parent
+    for stale in folder.glob(".exact-*"):  # left by a killed job
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".exact-") as tmp:
+        spec = {
+            "model": i.model,
+            "teacher_run": i.teacher_run,
+            "teacher_data": i.teacher_data if forced is not None else None,
+            "top_k": snakemake.params.top_k,
+        }
+        write_json(Path(tmp) / "spec.json", spec)
+        timeout = snakemake.config["run_timeout_s"]
+        code = jobs.spawn(
+            [sys.executable, "-m", "qdiff.exact", str(Path(tmp) / "spec.json"), tmp],
+            Path(snakemake.log[0]),
+            timeout,
         )
-        return
-    save_arrays(job.out(out.data), arrays)
+        error = Path(tmp) / "error.json"
+        handled = read_json(error) if error.exists() else None
+        if code == UNSUPPORTED and handled is not None:
+            write_json(
+                job.out(out.record),
+                {
+                    **head,
+                    "status": "unsupported",
+                    "reason": handled["message"],
+                    "run_token": snakemake.params.retry_token,
+                },
+            )
+            return
+        if code != 0:
+            outcome = jobs.child_outcome(code, handled, "the float64 engine", timeout)
+            raise jobs.StageError(
+                f"{outcome['message']}; it was estimated to need {needed / GIB:.2f} GiB"
+            )
+        os.replace(Path(tmp) / "exact.npz", job.out(out.data))
+        record = read_json(Path(tmp) / "record.json")
     write_json(
         job.out(out.record),
         {
@@ -41,6 +88,7 @@ def body(job: jobs.Job) -> None:
             "status": "ok",
             "teacher": Combination.from_record(run).label,
             **record,
+            "memory_estimate_mib": round(needed / 2**20, 1),
             "model_file": info,
             "provenance": machine(),
             "run_token": snakemake.params.retry_token,
@@ -55,4 +103,4 @@ def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
     )
 
 
-jobs.run(snakemake, body, failed)
+jobs.run(snakemake, body, failed, reuse=True)

@@ -4,22 +4,37 @@ from pathlib import Path
 
 from qdiff import jobs, records
 from qdiff.config import load_experiment
+from qdiff.hashcache import remember_made
 from qdiff.io import write_json
-from qdiff.sources import StallLimit, declared_licence, describe_source, fetch
+from qdiff.sources import DownloadLimits, describe_source, fetch, file_facts
 
 gguf, info = Path(snakemake.output.gguf), Path(snakemake.output.info)
 spec = load_experiment(snakemake.config).models[snakemake.wildcards.model]
-stall = StallLimit(**{k.removeprefix("stall_"): v for k, v in snakemake.config["download"].items()})
+limits = DownloadLimits.from_config(snakemake.config["download"])
+
+
+made: dict[str, str] = {}  # the fetched file's sha256, once it is known
 
 
 def body(job: jobs.Job) -> None:
-    sha256 = fetch(
-        spec.source, job.out(gguf), spec.sha256, stall, gguf.with_name(gguf.name + ".part")
+    made["sha256"] = fetch(
+        spec.source, job.out(gguf), spec.sha256, limits, gguf.with_name(gguf.name + ".part")
     )
     size = job.out(gguf).stat().st_size
     origin = describe_source(spec.source)
-    licence = declared_licence(spec.source, job.out(gguf))
-    write_json(job.out(info), records.model_info(gguf.name, sha256, size, origin, licence))
+    licence, tokenizer = file_facts(spec.source, job.out(gguf))
+    write_json(
+        job.out(info),
+        records.model_info(
+            gguf.name,
+            made["sha256"],
+            size,
+            origin,
+            licence,
+            tokenizer,
+            snakemake.params.retry_token,
+        ),
+    )
 
 
 def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
@@ -27,4 +42,4 @@ def failed(job: jobs.Job, error: records.ErrorInfo) -> None:
     write_json(job.out(info), records.failed_model_info(gguf.name, origin, error))
 
 
-jobs.run(snakemake, body, failed)
+jobs.run(snakemake, body, failed, committed=lambda: remember_made(gguf, made.get("sha256")))

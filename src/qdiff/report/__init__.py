@@ -21,7 +21,7 @@ from qdiff.diagnosis import plural
 from qdiff.io import write_text
 from qdiff.jobs import child_preexec
 from qdiff.labels import Combination
-from qdiff.report.fmt import cell
+from qdiff.report.fmt import code, text
 from qdiff.report.html import markdown_to_html
 from qdiff.report.sections import (
     diagnosis,
@@ -62,7 +62,7 @@ def safely(section: Callable[..., str], *args: Any) -> str:
     except Exception as exc:  # one broken section must not cost the report
         traceback.print_exc(file=sys.stderr)
         return (
-            f"_This section could not be rendered ({cell(f'{type(exc).__name__}: {exc}')}); "
+            f"_This section could not be rendered ({text(f'{type(exc).__name__}: {exc}')}); "
             "`results/logs/report.log` has the details._"
         )
 
@@ -73,11 +73,12 @@ def _file_line(view: ModelView) -> str:
     record = next((r for r in records if r["dequant"] == "none"), records[0])
     info = record["provenance"]["model_file"]
     if info.get("status", "ok") != "ok":
-        return f"File `{info['file']}` is not available: {cell(info.get('error', {}).get('message', '?'))}"
+        return f"File {code(info['file'])} is not available: {text(info.get('error', {}).get('message', '?'))}"
     file_type = info.get("file_type") if record["status"] == "ok" else None
     return (
-        f"File `{info['file']}` ({file_type or 'type unknown'}), from {info['origin']}, "
-        f"sha256 `{info['sha256']}`. Licence: {info.get('licence', 'not recorded')}."
+        f"File {code(info['file'])} ({text(file_type or 'type unknown')}), from "
+        f"{text(info['origin'])}, sha256 {code(info['sha256'])}. "
+        f"Licence: {text(info.get('licence', 'not recorded'))}."
     )
 
 
@@ -205,7 +206,7 @@ def write_report(
 def failed_report(summary_path: Path, error: dict[str, Any], html_path: Path | None = None) -> None:
     """What the report (and its page) says when it cannot be rendered at all."""
     summary = (
-        f"{TITLE}\n\nThe report could not be rendered: {error['message']}. "
+        f"{TITLE}\n\nThe report could not be rendered: {text(error['message'])}. "
         "`results/logs/report.log` has the details.\n"
     )
     write_text(summary_path, summary)

@@ -1,10 +1,18 @@
-"""Formatting shared by every section: numbers, table cells, tables."""
+"""Formatting shared by every section: numbers, table cells, tables. Untrusted text (a
+prompt, a model's output, a config value, a file's metadata, an error message) reaches the
+Markdown only through ``text`` or ``code`` (qdiff.markdown)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tabulate import tabulate
+
+from qdiff.markdown import NEWLINE, code, text
+
+__all__ = ["cell", "code", "count", "num", "piece", "table", "text"]
+_UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
 
 
 def num(value: float | None, digits: int = 3) -> str:
@@ -20,19 +28,18 @@ def num(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}" if 1e-3 <= abs(value) < 100 else f"{value:.2e}"
 
 
-def cell(text: str) -> str:
-    """Text safe inside a GitHub table cell, with newlines kept visible."""
-    return text.replace("|", "\\|").replace("\r", "").replace("\n", "⏎")
-
-
-def code(text: str) -> str:
-    return f"`{text}`"
+def cell(markdown: str) -> str:
+    """qdiff's own Markdown (never untrusted text: ``text``) inside a table cell."""
+    return markdown.replace("|", "\\|").replace("\r", "").replace("\n", NEWLINE)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """GitHub's table of ``rows``; a ``|`` inside a cell (a code span's) is escaped, as
+    GitHub's tables require, so that no cell breaks out."""
     if not rows:
         return "_none_"
-    return tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True)
+    cells = [{k: _UNESCAPED_PIPE.sub(r"\\|", str(v)) for k, v in row.items()} for row in rows]
+    return tabulate(cells, headers="keys", tablefmt="github", disable_numparse=True)
 
 
 def count(k: int, n: int) -> str:
@@ -40,4 +47,5 @@ def count(k: int, n: int) -> str:
 
 
 def piece(pieces: dict[str, str], token: int) -> str:
-    return f"`{cell(repr(pieces.get(str(token), '?')))}`"
+    """A token's text as the model's vocabulary spells it, quoted as Python would."""
+    return code(repr(pieces.get(str(token), "?")))

@@ -24,19 +24,22 @@ img { max-width: 100%; }
 h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2rem; margin-top: 2rem; }
 """
 
-_IMAGE = re.compile(r'<img src="([^":]+\.png)"')
+# a plot the report links: one file name in the plots folder (no other folder, no scheme)
+_IMAGE = re.compile(r'<img src="([^":/]+/[^"/]+\.png)"')
 
 
 def markdown_to_html(markdown: str, title: str, plot_dir: Path, plot_href: str) -> str:
     """``markdown`` as a standalone page; the PNGs it links as ``<plot_href>/<name>`` are
     embedded from ``plot_dir``, so the page shows them wherever it is opened. Any other or
-    missing image stays a link."""
-    body = MarkdownIt("commonmark").enable("table").render(markdown)
+    missing image stays a link. Raw HTML is never rendered: the Markdown's untrusted text
+    is escaped already (qdiff.markdown), and this is the second guard."""
+    body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
 
     def embed(match: re.Match[str]) -> str:
         src = html.unescape(match.group(1))
-        path = plot_dir / src.removeprefix(f"{plot_href}/")
-        if not src.startswith(f"{plot_href}/") or not path.is_file():
+        name = src.removeprefix(f"{plot_href}/")
+        path = plot_dir / name
+        if not src.startswith(f"{plot_href}/") or name.startswith(".") or not path.is_file():
             return match.group(0)
         data = base64.b64encode(path.read_bytes()).decode()
         return f'<img src="data:image/png;base64,{data}"'

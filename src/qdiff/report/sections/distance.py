@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qdiff.report.fmt import cell, code, count, num, table
+from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
 
 
@@ -25,7 +25,7 @@ def _forced_cells(row: dict[str, Any]) -> dict[str, str]:
     if f is None:
         return {}
     if f.get("status") != "ok":
-        return {"along the text": f"n/a: {cell(f.get('reason', ''))}"}
+        return {"along the text": f"n/a: {text(f.get('reason', ''))}"}
     return {
         "forced max \\|Δ\\| median": num(f["max_abs_median"]),
         "forced max \\|Δ\\|": num(f["max_abs"]),
@@ -39,7 +39,7 @@ def exact_distance(view: ModelView) -> str:
     if d is None:
         return "_The exact reference is off (`exact.enabled`)._"
     if d["status"] != "ok":
-        return f"_No exact reference: {cell(d.get('reason', d['status']))}._"
+        return f"_No exact reference: {text(d.get('reason', d['status']))}._"
     exact = d["exact"]
     rows = []
     ok = sorted(
@@ -48,7 +48,7 @@ def exact_distance(view: ModelView) -> str:
     for r in ok + [r for r in d["rows"] if r["status"] != "ok"]:
         name = code(r["combination"]) + (" ★" if r["combination"] == d["closest"] else "")
         if r["status"] != "ok":
-            rows.append({"combination": name, "max \\|Δ\\|": f"n/a: {cell(r['reason'])}"})
+            rows.append({"combination": name, "max \\|Δ\\|": f"n/a: {text(r['reason'])}"})
             continue
         s = r["first_step"]
         rows.append(
@@ -64,8 +64,8 @@ def exact_distance(view: ModelView) -> str:
         )
     timings = exact["timings"]
     head = (
-        f"{legend(view)}\n\nExact reference of `{exact['model_file']['file']}` ({exact['architecture']}, "
-        f"along `{exact['teacher']}`'s text: {len(exact['prompt_ids'])} prompts, "
+        f"{legend(view)}\n\nExact reference of {code(exact['model_file']['file'])} "
+        f"({text(exact['architecture'])}, along {code(exact['teacher'])}'s text: {len(exact['prompt_ids'])} prompts, "
         f"{exact['n_positions']} positions): {timings['total_s']:.1f} s, peak memory "
         f"{exact['peak_rss_mib']:.0f} MiB."
     )
@@ -79,13 +79,13 @@ def reference_model_distance(view: ModelView) -> str:
             return "_This is the reference model: the other models are measured against it._"
         return "_No reference model (`reference_model:` in the config)._"
     if d["status"] != "ok":
-        return f"_Not measured: {cell(d.get('reason', d['status']))}._"
+        return f"_Not measured: {text(d.get('reason', d['status']))}._"
     ok = sorted((r for r in d["rows"] if r["status"] == "ok"), key=lambda r: r["kl_mean"])
     rows = []
     for r in ok + [r for r in d["rows"] if r["status"] != "ok"]:
         if r["status"] != "ok":
             rows.append(
-                {"combination": code(r["combination"]), "KL mean": f"n/a: {cell(r['reason'])}"}
+                {"combination": code(r["combination"]), "KL mean": f"n/a: {text(r['reason'])}"}
             )
             continue
         exact = r.get("vs_exact")

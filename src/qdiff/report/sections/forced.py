@@ -6,7 +6,7 @@ from qdiff import forcing, plots
 from qdiff.compare import label
 from qdiff.diagnosis import fork_sites, plural
 from qdiff.records import failure_text
-from qdiff.report.fmt import code, count, num, piece, table
+from qdiff.report.fmt import code, count, num, piece, table, text
 from qdiff.report.view import ModelView
 
 
@@ -32,7 +32,9 @@ def forced(view: ModelView) -> str:
     if not ok or not good:
         reasons = sorted({failure_text(r) for r in view.forced if r["status"] != "ok"})
         return (
-            "_No teacher-forced comparison" + (f": {'; '.join(reasons)}" if reasons else "") + "._"
+            "_No teacher-forced comparison"
+            + (f": {'; '.join(map(text, reasons))}" if reasons else "")
+            + "._"
         )
     teacher = ok[0]["teacher"]
     own = next((r for r in ok if label(r) == teacher), None)

@@ -7,22 +7,22 @@ from typing import Any
 from qdiff import plots
 from qdiff.labels import Pair
 from qdiff.localise import around
-from qdiff.report.fmt import cell, code, num, table
+from qdiff.report.fmt import code, num, table, text
 from qdiff.report.view import ModelView
 
 
 def _where(r: dict[str, Any]) -> str:
     where = f"layer {r['layer']}" if r["layer"] is not None else "outside the layers"
-    text = f"`{r['name']}` (tensor #{r['index']}, {r['op']}: {r['family']}, {where})"
+    said = f"{code(r['name'])} (tensor #{r['index']}, {text(r['op'])}: {r['family']}, {where})"
     if r["only_a_before"] or r["only_b_before"]:
-        text += (
+        said += (
             ", right after ops the two graphs compute differently (a only: "
-            + (", ".join(r["only_a_before"]) or "none")
+            + (", ".join(map(text, r["only_a_before"])) or "none")
             + "; b only: "
-            + (", ".join(r["only_b_before"]) or "none")
+            + (", ".join(map(text, r["only_b_before"])) or "none")
             + ")"
         )
-    return text
+    return said
 
 
 def _ratio_text(brief: dict[str, Any]) -> str:
@@ -40,17 +40,17 @@ def _divergence(q: dict[str, Any], factor: float) -> str:
         if firm["ratio"] is not None
         else ", where the floor pair is bit-identical"
     )
-    text = (
+    said = (
         f"First divergence at {_where(d)}: NMSE {num(d['nmse'])}{ratio}, max \\|Δ\\| "
         f"{num(d['max_abs'])}, relative error {num(d['rel_err'])}."
     )
     if firm["marginal"]:
-        text += f" **It only just crosses the {factor:g}× threshold**, so treat this position as approximate."
+        said += f" **It only just crosses the {factor:g}× threshold**, so treat this position as approximate."
     later = f"{firm['later_above']} of the {firm['later_compared']} later tensors stay above the threshold"
     nxt = firm["next_above"]
-    text += (
+    said += (
         (
-            f" Next above the threshold: `{nxt['name']}` (#{nxt['index']}, {_ratio_text(nxt)}); "
+            f" Next above the threshold: {code(nxt['name'])} (#{nxt['index']}, {_ratio_text(nxt)}); "
             if nxt
             else " No later tensor is above the threshold; "
         )
@@ -59,12 +59,10 @@ def _divergence(q: dict[str, Any], factor: float) -> str:
     )
     largest = firm["largest"]
     if largest and largest["index"] != d["index"]:
-        text += (
-            f" Largest ratio: `{largest['name']}` (#{largest['index']}, {_ratio_text(largest)})."
-        )
+        said += f" Largest ratio: {code(largest['name'])} (#{largest['index']}, {_ratio_text(largest)})."
     if first["index"] != d["index"]:
-        text += f" First difference at all: {_where(first)}."
-    return text
+        said += f" First difference at all: {_where(first)}."
+    return said
 
 
 def _finding(q: dict[str, Any], floor: list[str] | None, factor: float) -> str:
@@ -101,7 +99,7 @@ def localised(view: ModelView) -> str:
     if loc is None:
         return "_Tensor capture is off (`capture.enabled`)._"
     if loc.get("status") == "failed":
-        return f"_Localisation failed: {cell(loc['reason'])}._"
+        return f"_Localisation failed: {text(loc['reason'])}._"
     factor = loc["floor_factor"]
     out = [
         "Each combination's forward pass over the prompt was captured op by op through "
@@ -116,22 +114,22 @@ def localised(view: ModelView) -> str:
     if not loc["pairs"]:
         out += ["", "_No pair to localise: no two devices both ran one file of this model._"]
     for entry in loc["pairs"]:
-        head = f"**`{entry['a']}` vs `{entry['b']}`** ({entry['why']})"
+        head = f"**{code(entry['a'])} vs {code(entry['b'])}** ({text(entry['why'])})"
         if entry["status"] != "ok":
-            out += ["", f"{head}: not localised: {cell(entry['reason'])}."]
+            out += ["", f"{head}: not localised: {text(entry['reason'])}."]
             continue
         floor = entry["floor"]
         for q in entry["prompts"]:
             lines = [
-                f"{head}, prompt `{q['prompt']}`, {q['n_tensors']} tensors compared, floor: "
-                + (f"`{floor[0]}` vs `{floor[1]}`." if floor else "none."),
+                f"{head}, prompt {code(q['prompt'])}, {q['n_tensors']} tensors compared, floor: "
+                + (f"{code(floor[0])} vs {code(floor[1])}." if floor else "none."),
                 _finding(q, floor, factor),
             ]
             changed = q["capture_changed_logits"]
             lines.append(
                 "Capturing left both combinations' logits bit-identical."
                 if not changed
-                else f"**Capturing changed the logits of {', '.join(changed)}**: observing the "
+                else f"**Capturing changed the logits of {', '.join(map(code, changed))}**: observing the "
                 "graph split it differently on that backend, so this localisation describes the "
                 "observed computation, not exactly the uncaptured one."
             )

@@ -7,14 +7,15 @@ from typing import Any
 from qdiff.compare import headline, label
 from qdiff.diagnosis import plural
 from qdiff.records import failure_text
-from qdiff.report.fmt import cell, code, count, num, table
+from qdiff.report.fmt import cell, code, count, num, table, text
 from qdiff.report.view import ModelView
 
 LEGEND = (
     "`unavailable`: this llama-cpp-python build or machine lacks the device's backend (or the "
     "teacher of a forced pass did not run), so it was left out, never run on another "
     "backend. `failed`: the stage crashed or errored; its log is named in the reason (under "
-    "`results/logs/`), and the next `snakemake` retries it. A pair that involves a "
+    "`results/logs/`), and the next `snakemake` retries it. `left out` (a prompt): too "
+    "long for `generation.n_ctx`; the other prompts ran. A pair that involves a "
     'combination that did not run is `n/a`, never "equal".'
 )
 
@@ -88,6 +89,8 @@ def failures(views: list[ModelView]) -> str:
 
     for v in views:
         for r in v.records:
+            for skipped in r.get("skipped_prompts", []):  # too long for the context
+                add(v.model, f"prompt {skipped['id']}", "run", "left out", skipped["reason"])
             if r["status"] != "ok":
                 upstream = r.get("error", {}).get("kind") == "upstream"
                 add(
@@ -116,8 +119,8 @@ def failures(views: list[ModelView]) -> str:
             "model": code(model),
             "what": code(what),
             "stages": ", ".join(dict.fromkeys(stages)),
-            "status": status,
-            "reason": cell(reason),
+            "status": text(status),
+            "reason": text(reason),
         }
         for (model, what, status, reason), stages in grouped.items()
     ]
@@ -130,18 +133,19 @@ def provenance(records: list[dict[str, Any]]) -> str:
         return "_no combination ran_"
     first = ok[0]["provenance"]
     common = {
-        "qdiff": first["qdiff"],
-        "llama-cpp-python": first["llama_cpp_python"],
-        "Python": first["python"],
-        "NumPy": first["numpy"],
-        "OS": first["os"],
-        "CPU": first["cpu_model"],
-        "llama.cpp system info": f"`{first['system_info']}`",
+        "qdiff": text(first["qdiff"]),
+        "llama-cpp-python": text(first["llama_cpp_python"]),
+        "Python": text(first["python"]),
+        "NumPy": text(first["numpy"]),
+        "OS": text(first["os"]),
+        "CPU": text(first["cpu_model"]),
+        "llama.cpp system info": code(first["system_info"]),
     }
     lines = [f"- **{k}**: {v}" for k, v in common.items()]
     licences = {r["model"]: r["provenance"]["model_file"].get("licence") for r in ok}
     lines += ["- **model licences** (as each file and its source declare them):"] + [
-        f"  - {code(model)}: {licence or 'not recorded'}" for model, licence in licences.items()
+        f"  - {code(model)}: {text(licence or 'not recorded')}"
+        for model, licence in licences.items()
     ]
     rows = []
     for r in ok:
@@ -152,20 +156,25 @@ def provenance(records: list[dict[str, Any]]) -> str:
             {
                 "model": code(r["model"]),
                 "combination": code(label(r)),
-                "device used": used
-                + (f", driver {gpu['driver']}, CUDA {gpu['cuda']}" if gpu.get("cuda") else ""),
-                "model file sha256": prov["model_file"]["sha256"][:16] + "…",
-                "weight types": ", ".join(
-                    f"{k}×{v}" for k, v in prov["model_file"]["weight_types"].items()
+                "device used": text(
+                    used
+                    + (f", driver {gpu['driver']}, CUDA {gpu['cuda']}" if gpu.get("cuda") else "")
                 ),
-                "settings": ", ".join(
-                    f"{k}={v}"
-                    for k, v in r["settings"].items()
-                    if k not in ("backend", "env") and v != {}
+                "model file sha256": code(prov["model_file"]["sha256"][:16]) + "…",
+                "weight types": text(
+                    ", ".join(f"{k}×{v}" for k, v in prov["model_file"]["weight_types"].items())
+                ),
+                "settings": text(
+                    ", ".join(
+                        f"{k}={v}"
+                        for k, v in r["settings"].items()
+                        if k not in ("backend", "env") and v != {}
+                    )
                 ),
                 # values of names qdiff does not know as settings are placeholders (qdiff.secrets)
-                "env": ", ".join(f"{k}={v}" for k, v in r["settings"].get("env", {}).items())
-                or "–",
+                "env": text(
+                    ", ".join(f"{k}={v}" for k, v in r["settings"].get("env", {}).items()) or "–"
+                ),
             }
         )
     return "\n".join(lines) + "\n\n" + table(rows)

@@ -9,7 +9,7 @@ import numpy as np
 
 from qdiff.compare import headline
 from qdiff.metrics import PAIR_METRICS, median, percentile
-from qdiff.report.fmt import code, count, num, table
+from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
 from qdiff.tolerance import HEADROOM, tolerances
 
@@ -46,10 +46,12 @@ def pairs_table(view: ModelView) -> str:
         head = {
             "a": code(p["a"]),
             "b": code(p["b"]),
-            "what differs": "; ".join(p["differs"]) or "nothing",
+            "what differs": text("; ".join(p["differs"]) or "nothing"),
         }
         if p["status"] != "ok":
-            rows.append({**head, PAIR_METRICS[0].column("max"): f"{p['status']}: {p['reason']}"})
+            rows.append(
+                {**head, PAIR_METRICS[0].column("max"): f"{p['status']}: {text(p['reason'])}"}
+            )
             continue
         s = p["summary"]
         rows.append(
@@ -118,7 +120,7 @@ def tolerance_table(view: ModelView) -> str:
         )
         out.append(
             {
-                "between": t.scope,
+                "between": t.scope + (f" ({t.settings})" if t.settings else ""),
                 "file": t.dequant,
                 first_step_column: f"{num(t.first_step_max)} (`{t.first_step_where}`), {t.first_step_values} prompts",
                 "along the text, kept logits": forced,

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from qdiff.compare import label
-from qdiff.report.fmt import cell, code, num, table
+from qdiff.report.fmt import code, num, table, text
 from qdiff.report.view import ModelView
 
 
 def _weights_in(record: dict[str, Any]) -> str:
     buffers = record.get("provenance", {}).get("placement", {}).get("model_buffers", {})
-    return ", ".join(f"{k} {num(v)} MiB" for k, v in buffers.items()) or "–"
+    return ", ".join(f"{text(k)} {num(v)} MiB" for k, v in buffers.items()) or "–"
 
 
 def _repeats(record: dict[str, Any]) -> str:
@@ -37,8 +37,8 @@ def runs(view: ModelView) -> str:
                 "status": r["status"],
                 "backend": r["settings"]["backend"],
                 "weights in": _weights_in(r),
-                "flash attn (llama.cpp)": context.get("flash_attn", "–"),
-                "n_ubatch": context.get("n_ubatch", "–"),
+                "flash attn (llama.cpp)": text(context.get("flash_attn", "–")),
+                "n_ubatch": text(context.get("n_ubatch", "–")),
                 "load s": num(timings.get("load_s")),
                 "prompt ms": num(timings.get("prompt_ms_mean")),
                 "decode ms/token": num(timings.get("decode_ms_per_token")),
@@ -53,7 +53,7 @@ def texts(view: ModelView) -> str:
         return "_no combination of this model ran_"
     reference = view.ok[0]
     parts = []
-    for pid, text in view.prompts.items():
+    for pid, prompt in view.prompts.items():
         rows = []
         ref = next((p for p in reference["prompts"] if p["id"] == pid), None)
         for r in view.ok:
@@ -65,8 +65,8 @@ def texts(view: ModelView) -> str:
                 {
                     "combination": code(label(r)),
                     f"vs `{label(reference)}`": "same" if same else "differs",
-                    "generated text": cell(run["text"]),
+                    "generated text": text(run["text"]),
                 }
             )
-        parts.append(f"**`{pid}`**: {cell(text)}\n\n{table(rows)}")
+        parts.append(f"**{code(pid)}**: {text(prompt)}\n\n{table(rows)}")
     return "\n\n".join(parts)
