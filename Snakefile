@@ -2,7 +2,7 @@
 # Entry point only: the rules live in workflow/rules/, the logic in src/qdiff/.
 from snakemake.utils import min_version
 
-from qdiff.config import check_config_files
+from qdiff.core.config import check_config_files
 
 min_version("9.0")
 

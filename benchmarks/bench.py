@@ -14,7 +14,7 @@ It runs, in a scratch directory (``--workdir``, default a temporary one):
    no child processes), alternately; each pipeline is also set against the inference its own
    run records give, which splits the ratio into what the pipeline adds around its inference
    and how that inference compares with the floor;
-3. comparison throughput: ``qdiff.compare.compare_model`` on one thread, reading the arrays
+3. comparison throughput: ``qdiff.compare.pairs.compare_model`` on one thread, reading the arrays
    from disk, on synthetic logits of Gemma 3's 262,144-token vocabulary and on the
    experiment's own largest-vocabulary model;
 4. planning: ``snakemake --dry-run --quiet rules`` of a generated matrix (tiny real GGUF
@@ -124,15 +124,15 @@ def inference_floor(workdir: Path) -> float:
     """Seconds of the experiment's runs in one bare loop: per combination, load the model on
     its device, then prompt and decode every prompt greedily, as the run stage does."""
     os.chdir(workdir)  # the config's model paths are relative to the workflow's directory
-    from qdiff import engine
-    from qdiff.config import model_file, validate
+    from qdiff.core.config import model_file, validate
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.core.stages import RUN
     from qdiff.engine.devices import backend_devices, devices_for_backend
+    from qdiff.engine.log import init_backend
     from qdiff.engine.model import LoadedModel
-    from qdiff.settings import DeviceSettings
-    from qdiff.stages import RUN
 
     experiment, _ = validate(yaml.safe_load(Path("config/config.yaml").read_text()), Path.cwd())
-    log = engine.init_backend(workdir / "floor-errors.txt")  # keep it: llama.cpp calls it
+    log = init_backend(workdir / "floor-errors.txt")  # keep it: llama.cpp calls it
     total = 0.0
     for combo in experiment.all_combinations():
         spec = experiment.spec(RUN, combo)
@@ -171,7 +171,7 @@ def recorded_inference(workdir: Path) -> tuple[float, int]:
     """Seconds of inference the experiment's run records give (model load, prompts and
     decode steps, as the worker timed them): what the floor measures, inside the jobs; and
     how many ok run records they come from."""
-    from qdiff.stages import RUN
+    from qdiff.core.stages import RUN
 
     total, n_records = 0.0, 0
     for path in (workdir / RUN.folder).rglob("record.json"):
@@ -188,8 +188,8 @@ def recorded_inference(workdir: Path) -> tuple[float, int]:
 
 def stage_seconds(workdir: Path) -> dict[str, float]:
     """Job wall seconds per stage: the per-combination stages' from their ok records (each
-    times its own stage, qdiff.run.job_usage), the others' from their benchmark files."""
-    from qdiff.stages import STAGES
+    times its own stage, qdiff.engine.stage.job_usage), the others' from their benchmark files."""
+    from qdiff.core.stages import STAGES
 
     totals: dict[str, float] = {}
     for stage in STAGES.values():
@@ -316,8 +316,8 @@ def synthetic_model(folder: Path, runs: int, prompts: int, vocab: int) -> dict[s
 
 def throughput(files: dict[str, dict[str, str]], model: str) -> tuple[int, float]:
     """(prompt-pairs, seconds) of comparing every pair of ``files`` (label -> paths)."""
-    from qdiff.compare import RunFiles, compare_model
-    from qdiff.labels import Combination, Pair
+    from qdiff.compare.pairs import RunFiles, compare_model
+    from qdiff.core.labels import Combination, Pair
 
     runs = {
         Combination.parse(model, label): RunFiles(
@@ -348,8 +348,8 @@ def compare_in_child(files: dict[str, dict[str, str]], model: str) -> tuple[int,
 def experiment_runs(experiment: Path) -> tuple[str, dict[str, dict[str, str]]] | None:
     """The experiment's model with the largest data files (the largest vocabulary), and
     its runs' files, or None when the experiment has not run here."""
-    from qdiff.config import validate
-    from qdiff.stages import FORCED, RUN
+    from qdiff.core.config import validate
+    from qdiff.core.stages import FORCED, RUN
 
     if not (experiment / RUN.folder).is_dir():
         return None
@@ -487,7 +487,7 @@ def main() -> None:
     parts = args.only or ["pipeline", "compare", "planning"]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qdiff-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    from qdiff.provenance import machine
+    from qdiff.engine.provenance import machine
 
     print(f"qdiff benchmark on {json.dumps(machine())}")
     print(f"Snakemake's executor plugins, each imported at every start: {executor_plugins()}")

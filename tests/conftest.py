@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from qdiff.quant import quantize
+from qdiff.engine.quant import quantize
 from tinymodel import write_tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]

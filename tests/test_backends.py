@@ -8,9 +8,9 @@ import subprocess
 import pytest
 
 from conftest import REPO
-from qdiff.backends import BACKENDS, cmake_args
-from qdiff.config import _schema
-from qdiff.settings import DeviceSettings
+from qdiff.core.backends import BACKENDS, cmake_args
+from qdiff.core.config import _schema
+from qdiff.core.settings import DeviceSettings
 
 
 def test_the_schema_offers_exactly_the_backends_of_the_table() -> None:
@@ -36,10 +36,10 @@ def test_each_backend_says_what_it_does_to_activations_and_where_it_runs(name: s
 
 def test_setup_takes_its_flags_from_the_table() -> None:
     setup = (REPO / "setup").read_text()
-    assert "python3 -m qdiff.backends cmake-args" in setup
+    assert "python3 -m qdiff.core.backends cmake-args" in setup
     assert not re.search(r"-DGGML_(CUDA|METAL|VULKAN)", setup)  # no second list of flags
     bad = subprocess.run(
-        ["bash", "-c", 'PYTHONPATH=src python3 -m qdiff.backends cmake-args "$B"'],
+        ["bash", "-c", 'PYTHONPATH=src python3 -m qdiff.core.backends cmake-args "$B"'],
         env={"B": "cuda,tpu", "PATH": "/usr/bin:/bin"},
         cwd=REPO,
         capture_output=True,
@@ -62,8 +62,8 @@ def test_the_readme_documents_every_gpu_backend() -> None:
 
 
 def test_strict_devices_probes_the_machine_as_each_device_sees_it(tmp_path) -> None:
-    from qdiff.config import ConfigError, load_experiment
-    from qdiff.probe import check_strict_devices
+    from qdiff.core.config import ConfigError, load_experiment
+    from qdiff.engine.probe import check_strict_devices
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     config = {

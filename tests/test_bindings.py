@@ -21,7 +21,7 @@ def test_a_worker_process_never_imports_the_high_level_api() -> None:
     assert run_fresh(
         """
         import sys
-        import qdiff.worker
+        import qdiff.engine.worker
         print("llama_cpp.llama" in sys.modules, "jinja2" in sys.modules)
         print("llama_cpp.llama_cpp" in sys.modules)
         """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
-from qdiff.claims import check_all
+from qdiff.judge.claims import check_all
 from qdiff.report.view import ModelView
 
 FILE_TYPES = {"Q8_0": "Q8_0", "Q4_K_M": "Q4_K - Medium"}

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from conftest import REPO, Workspace, tiny_config
-from qdiff.config import ConfigError, check_config_files, load_experiment
-from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
+from qdiff.core.config import ConfigError, check_config_files, load_experiment
+from qdiff.core.stages import CAPTURE, FORCED, RUN, STAGES
 
 GOOD = tiny_config(Path("/models/tiny.gguf"))
 
@@ -211,7 +211,10 @@ def test_forced_and_capture_specs_depend_on_what_they_use() -> None:
     combo = exp.all_combinations()[1]
     assert exp.teacher("tiny") == exp.combinations("tiny")[1]  # the reference, cpu.f32
     forced = exp.spec(FORCED, combo)
-    assert forced["mode"] == "force" and forced["forcing"] == {"teacher": "cpu.f32", "top_k": 1024}
+    assert forced["stage"] == "forced" and forced["forcing"] == {
+        "teacher": "cpu.f32",
+        "top_k": 1024,
+    }
     capture = exp.spec(CAPTURE, combo)
     assert [p["id"] for p in capture["prompts"]] == ["rust"]  # the first prompt by default
     assert "n_tokens" not in capture["generation"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from qdiff.backends import BACKENDS
-from qdiff.diagnosis import diagnose
+from qdiff.core.backends import BACKENDS
+from qdiff.judge.diagnosis import diagnose
 
 WEIGHTS = {
     "none": {"f32": 10, "q4_K": 20, "q8_0": 2},

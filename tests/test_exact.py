@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 from conftest import in_child, quantize_in_child
-from qdiff import engine, exact
+from qdiff import exact
+from qdiff.core.settings import DeviceSettings
+from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
-from qdiff.settings import DeviceSettings
 from tinymodel import write_tiny_gemma3, write_tiny_llama
 
 FLOAT32_BOUND = 1e-4
@@ -48,7 +49,7 @@ def llama_cpp_logits(
 def _llama_cpp_logits(
     path: Path, n_forced: int, kv: str
 ) -> tuple[list[int], list[int], np.ndarray]:
-    log = engine.init_backend()  # kept while llama.cpp runs: it holds the callback
+    log = init_backend()  # kept while llama.cpp runs: it holds the callback
     model = LoadedModel(path, DeviceSettings(backend="cpu", threads=1, kv_cache_type=kv), 256)
     with model:
         prompt = model.tokenize(PROMPT, parse_special=False)

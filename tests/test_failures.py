@@ -312,7 +312,7 @@ def test_gpu_runs_declare_a_gpu_resource(workspace: Workspace, tiny_gguf: Path) 
         )
     )
     jobs = workspace.planned_jobs()
-    for rule in ("run_combination", "force_combination", "capture_combination"):
+    for rule in ("run_combination", "forced_combination", "capture_combination"):
         planned = {j.wildcards["device"]: j.resources for j in jobs if j.rule == rule}
         assert {d: r["gpu"] for d, r in planned.items()} == {"cpu": "0", "gpu": "1"}
         assert all(int(r["runtime"]) > 0 for r in planned.values())  # from the stage table

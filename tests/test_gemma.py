@@ -88,7 +88,7 @@ def test_default_experiment_report(default_run: Workspace) -> None:
 
 
 def test_the_exact_stages_memory_estimate_covers_its_peak(default_run: Workspace) -> None:
-    """The estimate the exact stage is refused by (qdiff.exact.memory_needed) is never below
+    """The estimate the exact stage is refused by (qdiff.exact.reference.memory_needed) is never below
     the peak resident memory it measured, on the real models; and not far above."""
     for model in MODELS:
         record = json.loads((default_run.root / f"results/exact/{model}/record.json").read_text())

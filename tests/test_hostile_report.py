@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Workspace
-from qdiff.markdown import code, text
+from qdiff.core.markdown import code, text
 from tinymodel import write_tiny_llama
 
 pytestmark = pytest.mark.workflow

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qdiff.io import load_array, save_array, write_text
+from qdiff.core.io import load_array, save_array, write_text
 
 
 def test_pickled_arrays_are_refused(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def test_the_workflow_side_never_loads_llama_cpp() -> None:
     import sys
 
     code = (
-        "import sys, qdiff.config, qdiff.run, qdiff.provenance, qdiff.compare, qdiff.report\n"
+        "import sys, qdiff.core.config, qdiff.engine.stage, qdiff.engine.provenance, qdiff.compare.pairs, qdiff.report\n"
         "print('llama_cpp' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

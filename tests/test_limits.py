@@ -113,7 +113,9 @@ def test_an_exact_stage_killed_is_recorded_and_retried(
     )
     killed = None
     while proc.poll() is None and killed is None:
-        killed = next((pid for pid, argv in processes() if "-m\0qdiff.exact\0" in argv), None)
+        killed = next(
+            (pid for pid, argv in processes() if "-m\0qdiff.exact.reference\0" in argv), None
+        )
         if killed is not None:
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.02)

@@ -1,6 +1,6 @@
 """Reading placement and settings from llama.cpp's log (lines as llama.cpp 0.3.36 prints them)."""
 
-from qdiff.llamalog import (
+from qdiff.engine.llamalog import (
     abort_lines,
     cpu_features,
     failure_reason,

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdiff.labels import Pair
-from qdiff.localise import FLOOR_FACTOR, choose_pairs, floor_pair, localise, op_family, tensor_rows
+from qdiff.compare.localise import (
+    FLOOR_FACTOR,
+    choose_pairs,
+    floor_pair,
+    localise,
+    op_family,
+    tensor_rows,
+)
+from qdiff.core.labels import Pair
 from qdiff.report.sections.localised import localised
 from qdiff.report.view import ModelView
 

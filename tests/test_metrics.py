@@ -10,12 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qdiff.compare import PairCache, RunFiles, compare_model, compare_runs, what_differs
-from qdiff.forcing import ForcedRecorder
-from qdiff.hashcache import HashCache
-from qdiff.io import save_arrays
-from qdiff.labels import Combination, Pair
-from qdiff.metrics import (
+from qdiff.compare.metrics import (
     BLOCK,
     PAIR_METRICS,
     fork_step,
@@ -24,6 +19,11 @@ from qdiff.metrics import (
     percentile,
     summarise,
 )
+from qdiff.compare.pairs import PairCache, RunFiles, compare_model, compare_runs, what_differs
+from qdiff.core.forced import ForcedRecorder
+from qdiff.core.hashcache import HashCache
+from qdiff.core.io import save_arrays
+from qdiff.core.labels import Combination, Pair
 
 
 def test_logit_metrics_match_their_definitions() -> None:
@@ -245,7 +245,7 @@ def test_a_changed_run_recomputes_only_its_pairs_and_a_broken_one_fails_only_its
     said: list[str] = []
 
     def compare() -> list[dict]:
-        cache = PairCache(tmp_path / "cache.json", HashCache(tmp_path / "hashes.json"))
+        cache = PairCache(tmp_path / "cache.json", "code", HashCache(tmp_path / "hashes.json"))
         results = compare_model(pairs, files, cache, say=said.append)
         cache.save()
         return results

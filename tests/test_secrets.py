@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import in_child
-from qdiff import secrets
+from qdiff.core import secrets
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ import pytest
 
 from modelserver import ModelServer, serving
 from qdiff import sources
-from qdiff.config import ModelSpec
-from qdiff.hashcache import HashCache
-from qdiff.secrets import redact_url
+from qdiff.core.config import ModelSpec
+from qdiff.core.hashcache import HashCache
+from qdiff.core.secrets import redact_url
 from qdiff.sources import (
     DownloadLimits,
     FetchError,

@@ -58,8 +58,8 @@ def test_every_combination_ran_with_real_inference(finished: Workspace) -> None:
 def test_each_per_combination_job_times_itself_without_snakemake_s_sampler(
     finished: Workspace,
 ) -> None:
-    from qdiff.records import JOB_USAGE
-    from qdiff.stages import STAGES
+    from qdiff.core.records import JOB_USAGE
+    from qdiff.core.stages import STAGES
 
     for stage in STAGES.values():
         paths = list((finished.root / stage.folder).rglob("record.json"))
@@ -208,7 +208,7 @@ def test_teacher_forcing_settings_rerun_only_the_forced_passes(
     ws.write_config(config)
     # the exact reference keeps the logits forcing keeps: it follows
     assert by_rule(ws.planned_jobs()) == Counter(
-        force_combination=8,
+        forced_combination=8,
         compare_model=2,
         localise_model=2,
         report=1,
@@ -277,7 +277,7 @@ def test_adding_a_model_runs_only_that_model(
         fetch_model=1,
         dequantize_model=1,
         run_combination=4,
-        force_combination=4,
+        forced_combination=4,
         capture_combination=4,
         compare_model=1,
         localise_model=1,
@@ -299,7 +299,7 @@ def test_changing_one_device_reruns_only_its_runs_and_pairs(
     assert {j.wildcards["device"] for j in runs} == {"cpu-fa"}
     assert len(runs) == 4  # 2 models x 2 dequant modes
     assert by_rule(jobs)["compare_model"] == 2  # one per model
-    for rule in ("force_combination", "capture_combination"):
+    for rule in ("forced_combination", "capture_combination"):
         again = [j for j in jobs if j.rule == rule]
         assert {j.wildcards["device"] for j in again} == {"cpu-fa"} and len(again) == 4
     assert by_rule(jobs)["localise_model"] == 2
@@ -335,7 +335,7 @@ def test_changing_prompts_or_token_count_reruns_runs(
     # a capture covers one prompt's forward pass, so it does not rerun
     assert counts == Counter(
         run_combination=8,
-        force_combination=8,
+        forced_combination=8,
         compare_model=2,
         localise_model=2,
         report=1,
@@ -544,7 +544,7 @@ def test_a_device_that_computes_the_prompt_one_token_at_a_time_is_localised(
 def test_recommended_tolerances_cover_every_compared_value(finished: Workspace) -> None:
     """Each recommended atol is checked against all the data it claims to cover: every
     prompt's first-step max |Δ| and every teacher-forced position's, of every pair it covers."""
-    from qdiff.tolerance import tolerances
+    from qdiff.judge.tolerance import tolerances
 
     for model in ("tiny", "tiny.requant-q8_0"):
         results = finished.pairs(model)

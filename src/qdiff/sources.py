@@ -2,7 +2,7 @@
 
 Every fetch writes to ``<dest>.part`` and renames only after the checksum (when given) and
 the GGUF magic bytes check out, so an interrupted or bad download never leaves a file that
-looks complete. Hidden parts of a URL (qdiff.secrets) are revealed only to open the
+looks complete. Hidden parts of a URL (qdiff.core.secrets) are revealed only to open the
 connection; logs show the URL without them.
 
 Which failures are worth another attempt: a dropped connection, a timeout, a stall (less
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlparse
 
-from qdiff import secrets
-from qdiff.config import ModelSpec, url_problem
-from qdiff.hashcache import HashCache, sha256_of
+from qdiff.core import secrets
+from qdiff.core.config import ModelSpec, url_problem
+from qdiff.core.hashcache import HashCache, sha256_of
+from qdiff.core.secrets import redact_url
 from qdiff.jobs import StageError, console, disk_full
-from qdiff.secrets import redact_url
 
 GGUF_MAGIC = b"GGUF"
 CHUNK = 1 << 20
@@ -59,7 +59,7 @@ class DownloadLimits:
 
     @classmethod
     def from_config(cls, download: dict[str, Any]) -> DownloadLimits:
-        """From the config's ``download`` section (qdiff.config fills in its defaults)."""
+        """From the config's ``download`` section (qdiff.core.config fills in its defaults)."""
         return cls(
             download["stall_window_s"],
             download["stall_min_bytes"],
@@ -117,7 +117,7 @@ def made_file_problem(
     """Why a model file that was made (fetched or derived) can no longer be used as it is,
     in a few words, or None: its sidecar does not match the pin, or its bytes are no longer
     those its sidecar records (replaced since). Checked at every invocation; the bytes are
-    hashed again only when the file's identity on disk changed (qdiff.hashcache)."""
+    hashed again only when the file's identity on disk changed (qdiff.core.hashcache)."""
     if not info or info.get("status", "ok") != "ok" or not gguf.is_file():
         return None  # failed (retried anyway) or missing (made anyway)
     if pin and info.get("sha256") != pin:

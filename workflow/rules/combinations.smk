@@ -1,9 +1,9 @@
-# The per-combination stages (qdiff.stages): one job per model x device x dequant and stage,
+# The per-combination stages (qdiff.core.stages): one job per model x device x dequant and stage,
 # each running llama.cpp in an isolated child process, so a crash becomes a "failed" record.
 # One rule body; the other stages are derived from it and differ only in what they read and
 # write. A stage's own rule means changing its settings never reruns the others.
 # No benchmark: Snakemake's sampler reads each process's memory map twice a second, which
-# slowed the inference it watched; each record times its own job (qdiff.run.job_usage).
+# slowed the inference it watched; each record times its own job (qdiff.engine.stage.job_usage).
 
 
 rule run_combination:
@@ -22,14 +22,14 @@ rule run_combination:
         stage=RUN.name,
         spec=stage_spec(RUN),
         llama_build=LLAMA_BUILD,
-        format=RECORD_FORMAT,
+        code=CODE["combination_stage"],
         retry_token=stage_retry_token(RUN),
     script:
         "../scripts/combination_stage.py"
 
 
-# Teacher forcing (qdiff.forcing): every combination fed the teacher's greedy output.
-use rule run_combination as force_combination with:
+# Teacher forcing (qdiff.compare.forced): every combination fed the teacher's greedy output.
+use rule run_combination as forced_combination with:
     input:
         unpack(forced_inputs),
     output:
@@ -42,11 +42,11 @@ use rule run_combination as force_combination with:
         stage=FORCED.name,
         spec=stage_spec(FORCED),
         llama_build=LLAMA_BUILD,
-        format=RECORD_FORMAT,
+        code=CODE["combination_stage"],
         retry_token=stage_retry_token(FORCED),
 
 
-# Tensor capture (qdiff.localise): the named intermediate tensors of one forward pass.
+# Tensor capture (qdiff.compare.localise): the named intermediate tensors of one forward pass.
 use rule run_combination as capture_combination with:
     output:
         **stage_outputs(CAPTURE),
@@ -58,5 +58,5 @@ use rule run_combination as capture_combination with:
         stage=CAPTURE.name,
         spec=stage_spec(CAPTURE),
         llama_build=LLAMA_BUILD,
-        format=RECORD_FORMAT,
+        code=CODE["combination_stage"],
         retry_token=stage_retry_token(CAPTURE),

@@ -5,37 +5,39 @@ import json
 import re
 from pathlib import Path
 
-from qdiff import secrets
-from qdiff.compare import COMPARE_FORMAT
-from qdiff.config import (
+from qdiff.core import secrets
+from qdiff.core.config import (
     canonical_json,
     check_config_files,
     model_file,
     model_info_file,
     validate,
 )
-from qdiff.hashcache import HashCache
-from qdiff.jobs import skip_exit_collection
-from qdiff.labels import (
+from qdiff.core.hashcache import HashCache
+from qdiff.core.labels import (
     DEQUANT_COPIES,
     DEQUANT_MODES,
     PLOT_PATTERN,
     Combination,
     Pair,
 )
-from qdiff.localise import LOCALISE_FORMAT
-from qdiff.probe import check_strict_devices
-from qdiff.provenance import llama_build_id
-from qdiff.records import RECORD_FORMAT
-from qdiff.run import retry_token
+from qdiff.core.stages import CAPTURE, FORCED, RUN, STAGES
+from qdiff.engine.probe import check_strict_devices
+from qdiff.engine.provenance import llama_build_id
+from qdiff.engine.stage import retry_token
+from qdiff.jobs import skip_exit_collection
 from qdiff.sources import fingerprint, made_file_problem
-from qdiff.stages import CAPTURE, FORCED, RUN, STAGES
-from qdiff.workflow import end_scheduler_timers, hold_workflow_lock, signature_once
+from qdiff.workflow import (
+    code_digests,
+    end_scheduler_timers,
+    hold_workflow_lock,
+    signature_once,
+)
 
 skip_exit_collection()  # Snakemake's heap: 0.3 s of garbage collection at exit on the EPYC
 check_config_files(workflow.configfiles)  # duplicate keys, templates
 # Before Snakemake stores, prints or pickles any of the config: hide what qdiff may not show
-# (qdiff.secrets). The jobs that need a hidden value ask this process for it.
+# (qdiff.core.secrets). The jobs that need a hidden value ask this process for it.
 secrets.serve(secrets.scrub_config(config))
 EXPERIMENT, VALIDATED = validate(config, base_dir=Path.cwd())
 # scripts read runtime knobs (timeouts, stall limits) from the config, with their defaults
@@ -48,6 +50,8 @@ if EXPERIMENT.strict_devices and ON_THIS_MACHINE and workflow.output_settings.dr
     check_strict_devices(EXPERIMENT)
 HASHES = HashCache()
 LLAMA_BUILD = llama_build_id(HASHES)  # a rebuilt llama-cpp-python reruns every stage
+# each script's qdiff code, a param of its rules: changed code reruns what it made
+CODE = code_digests(sorted(Path(workflow.current_basedir, "../scripts").glob("*.py")))
 REPORT_FILES = [
     "results/summary.md",
     "results/pairs.tsv",
@@ -150,7 +154,7 @@ def fetch_params(wildcards):
     return canonical_json(content)
 
 
-# A job's retry_token param (qdiff.run.retry_token), worked out once per invocation: Snakemake
+# A job's retry_token param (qdiff.engine.stage.retry_token), worked out once per invocation: Snakemake
 # asks for params again after it has removed the outputs of a job it is about to run, and
 # the token must be the one it compared and stores.
 token_of = functools.cache(retry_token)
@@ -350,7 +354,7 @@ def localise_inputs(wildcards):
 
 
 # A model's exact-reference files: its record and data (qdiff.exact), and how far every
-# combination is from it (qdiff.distance)
+# combination is from it (qdiff.compare.distance)
 EXACT_FILES = {
     "record": "record.json",
     "data": "exact.npz",

@@ -1,4 +1,4 @@
-# Per model: every pair of its combinations in one job (qdiff.compare.compare_model), which
+# Per model: every pair of its combinations in one job (qdiff.compare.pairs.compare_model), which
 # reuses each pair whose files did not change, so a changed device recomputes only its own
 # pairs; and where its pairs part, op by op.
 
@@ -20,7 +20,7 @@ rule compare_model:
     params:
         combinations=combination_labels,
         pairs=pair_labels,
-        format=COMPARE_FORMAT,
+        code=CODE["compare_model"],
     script:
         "../scripts/compare_model.py"
 
@@ -36,6 +36,6 @@ rule localise_model:
         "../../envs/qdiff.yaml"
     params:
         pairs=EXPERIMENT.capture["pairs"] if EXPERIMENT.capture_enabled else [],
-        format=LOCALISE_FORMAT,
+        code=CODE["localise_model"],
     script:
         "../scripts/localise_model.py"

@@ -1,5 +1,5 @@
 # The exact answer of each model's weights, in float64 (qdiff.exact), and how far every
-# combination is from it (qdiff.distance). The reference reads the teacher's text, so only a
+# combination is from it (qdiff.compare.distance). The reference reads the teacher's text, so only a
 # change of the teacher reruns it; adding or changing other devices never does.
 
 
@@ -25,7 +25,7 @@ rule exact_reference:
         runtime=120,
     params:
         top_k=EXPERIMENT.teacher_forcing["top_k"],
-        format=RECORD_FORMAT,
+        code=CODE["exact_reference"],
         retry_token=exact_retry_token,
     script:
         "../scripts/exact_reference.py"
@@ -41,7 +41,7 @@ rule distance_from_exact:
     conda:
         "../../envs/qdiff.yaml"
     params:
-        format=RECORD_FORMAT,
+        code=CODE["distance_from_exact"],
     script:
         "../scripts/distance_from_exact.py"
 
@@ -59,6 +59,6 @@ rule distance_from_reference_model:
         "../../envs/qdiff.yaml"
     params:
         reference=EXPERIMENT.reference_model,
-        format=RECORD_FORMAT,
+        code=CODE["distance_from_reference_model"],
     script:
         "../scripts/distance_from_reference_model.py"

@@ -33,6 +33,7 @@ rule report:
     # the last job: its models render side by side (qdiff.report.render_models)
     threads: report_threads
     params:
+        code=CODE["render_report"],
         reference=EXPERIMENT.reference,
         writeup_claims=EXPERIMENT.report["writeup_claims"],
     script:

@@ -1,19 +1,20 @@
-"""One stage (qdiff.stages) of one model x device x dequant combination, with llama.cpp in an
-isolated child process (rules run_combination, force_combination, capture_combination)."""
+"""One stage (qdiff.core.stages) of one model x device x dequant combination, with llama.cpp in an
+isolated child process (rules <stage>_combination, qdiff.core.stages)."""
 
 import json
 from pathlib import Path
 
-from qdiff import jobs, records
-from qdiff.io import write_json
-from qdiff.provenance import machine
-from qdiff.run import run_stage
-from qdiff.stages import STAGES
+from qdiff import jobs
+from qdiff.core import records
+from qdiff.core.io import write_json
+from qdiff.core.stages import STAGES
+from qdiff.engine.provenance import machine
+from qdiff.engine.stage import run_stage
 
 stage = STAGES[snakemake.params.stage]
 spec = json.loads(snakemake.params.spec)
 record = Path(snakemake.output.record)
-# a run with first_step_logits: top_k keeps no data file (qdiff.config)
+# a run with first_step_logits: top_k keeps no data file (qdiff.core.config)
 data = Path(snakemake.output.data) if "data" in snakemake.output.keys() else None  # noqa: SIM118
 
 

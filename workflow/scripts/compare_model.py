@@ -3,9 +3,9 @@
 from pathlib import Path
 
 from qdiff import jobs
-from qdiff.compare import COMPARE_FORMAT, PairCache, RunFiles, compare_model, failed_pair
-from qdiff.io import write_json
-from qdiff.labels import Combination, Pair
+from qdiff.compare.pairs import PairCache, RunFiles, compare_model, failed_pair
+from qdiff.core.io import write_json
+from qdiff.core.labels import Combination, Pair
 
 output, model, i = Path(snakemake.output[0]), snakemake.wildcards.model, snakemake.input
 combos = [Combination.parse(model, c) for c in snakemake.params.combinations]
@@ -23,11 +23,11 @@ files = {
 
 
 def write(job: jobs.Job, results: list) -> None:
-    write_json(job.out(output), {"model": model, "format": COMPARE_FORMAT, "pairs": results})
+    write_json(job.out(output), {"model": model, "pairs": results})
 
 
 def body(job: jobs.Job) -> None:
-    cache = PairCache.of_model(model)
+    cache = PairCache.of_model(model, snakemake.params.code)
     write(job, compare_model(pairs, files, cache, say=jobs.console))
     cache.save()
 

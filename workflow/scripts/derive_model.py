@@ -3,10 +3,11 @@
 
 from pathlib import Path
 
-from qdiff import jobs, records
-from qdiff.hashcache import remember_made, sha256_of
-from qdiff.io import read_json, write_json
-from qdiff.quant import derive
+from qdiff import jobs
+from qdiff.core import records
+from qdiff.core.hashcache import remember_made, sha256_of
+from qdiff.core.io import read_json, write_json
+from qdiff.engine.quant import derive
 
 gguf, info = Path(snakemake.output.gguf), Path(snakemake.output.info)
 target = snakemake.params.target

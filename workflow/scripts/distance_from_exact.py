@@ -2,10 +2,11 @@
 
 from pathlib import Path
 
-from qdiff import jobs, records
-from qdiff.distance import closest, distance
-from qdiff.forcing import with_probabilities
-from qdiff.io import load_array, load_arrays, read_json, write_json
+from qdiff import jobs
+from qdiff.compare.distance import closest, distance
+from qdiff.compare.forced import with_probabilities
+from qdiff.core import records
+from qdiff.core.io import load_array, load_arrays, read_json, write_json
 
 i, output, model = snakemake.input, Path(snakemake.output[0]), snakemake.wildcards.model
 

@@ -3,10 +3,11 @@ answer (rule distance_from_reference_model)."""
 
 from pathlib import Path
 
-from qdiff import jobs, records
-from qdiff.distance import against_reference_model
-from qdiff.io import load_array, load_arrays, read_json, write_json
-from qdiff.labels import Combination
+from qdiff import jobs
+from qdiff.compare.distance import against_reference_model
+from qdiff.core import records
+from qdiff.core.io import load_array, load_arrays, read_json, write_json
+from qdiff.core.labels import Combination
 
 i, output, model = snakemake.input, Path(snakemake.output[0]), snakemake.wildcards.model
 head = {"model": model, "reference_model": snakemake.params.reference}

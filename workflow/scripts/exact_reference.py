@@ -7,16 +7,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qdiff import jobs, records
-from qdiff.exact import memory_needed
-from qdiff.io import read_json, write_json
-from qdiff.labels import Combination
-from qdiff.provenance import machine
+from qdiff import jobs
+from qdiff.core import records
+from qdiff.core.io import read_json, write_json
+from qdiff.core.labels import Combination
+from qdiff.engine.provenance import machine
+from qdiff.exact.reference import ERROR_FILE, UNSUPPORTED, memory_needed
 
 i, out, model = snakemake.input, snakemake.output, snakemake.wildcards.model
-head = {"qdiff_record": records.RECORD_FORMAT, "stage": "exact", "model": model}
+head = {"stage": "exact", "model": model}
 GIB = 2**30
-UNSUPPORTED = 3  # qdiff.exact.main's exit code for an architecture it does not have
 
 
 def memory_check(run: dict) -> int:
@@ -48,20 +48,25 @@ def body(job: jobs.Job) -> None:
     for stale in folder.glob(".exact-*"):  # left by a killed job
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".exact-") as tmp:
+        made = {
+            "record": Path(tmp) / Path(out.record).name,
+            "data": Path(tmp) / Path(out.data).name,
+        }
         spec = {
             "model": i.model,
             "teacher_run": i.teacher_run,
             "teacher_data": i.teacher_data if forced is not None else None,
             "top_k": snakemake.params.top_k,
+            **{name: str(path) for name, path in made.items()},
         }
         write_json(Path(tmp) / "spec.json", spec)
         timeout = snakemake.config["run_timeout_s"]
         code = jobs.spawn(
-            [sys.executable, "-m", "qdiff.exact", str(Path(tmp) / "spec.json"), tmp],
+            [sys.executable, "-m", "qdiff.exact.reference", str(Path(tmp) / "spec.json")],
             Path(snakemake.log[0]),
             timeout,
         )
-        error = Path(tmp) / "error.json"
+        error = Path(tmp) / ERROR_FILE
         handled = read_json(error) if error.exists() else None
         if code == UNSUPPORTED and handled is not None:
             write_json(
@@ -79,8 +84,8 @@ def body(job: jobs.Job) -> None:
             raise jobs.StageError(
                 f"{outcome['message']}; it was estimated to need {needed / GIB:.2f} GiB"
             )
-        os.replace(Path(tmp) / "exact.npz", job.out(out.data))
-        record = read_json(Path(tmp) / "record.json")
+        os.replace(made["data"], job.out(out.data))
+        record = read_json(made["record"])
     write_json(
         job.out(out.record),
         {

@@ -2,10 +2,11 @@
 
 from pathlib import Path
 
-from qdiff import jobs, records
-from qdiff.config import load_experiment
-from qdiff.hashcache import remember_made
-from qdiff.io import write_json
+from qdiff import jobs
+from qdiff.core import records
+from qdiff.core.config import load_experiment
+from qdiff.core.hashcache import remember_made
+from qdiff.core.io import write_json
 from qdiff.sources import DownloadLimits, describe_source, fetch, file_facts
 
 gguf, info = Path(snakemake.output.gguf), Path(snakemake.output.info)

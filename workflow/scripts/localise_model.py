@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from qdiff import jobs
-from qdiff.io import read_json, write_json
-from qdiff.localise import FLOOR_FACTOR, localise_model
+from qdiff.compare.localise import FLOOR_FACTOR, localise_model
+from qdiff.core.io import read_json, write_json
 
 output, model = Path(snakemake.output[0]), snakemake.wildcards.model
 

@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from qdiff import jobs
-from qdiff.io import read_json
-from qdiff.labels import Combination
+from qdiff.core.io import read_json
+from qdiff.core.labels import Combination
 from qdiff.report import failed_report, write_report
 
 out = snakemake.output

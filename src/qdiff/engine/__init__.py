@@ -1,25 +1,19 @@
-"""llama.cpp, driven through llama-cpp-python's low-level binding.
+"""llama.cpp: the stages that run it, each in an isolated child process.
 
-This package loads native code: only the isolated worker process (``qdiff.worker``), the
-quantize child (``qdiff.quant``) and the backend probe (``qdiff.probe``) import it.
+Only the modules that import ``bindings`` load native code, and only child processes import
+them: the worker that runs a stage (``worker``), the quantize child (``quant``'s main) and the
+backend probe (``probe``'s main). The processes that supervise them (``stage``, ``quant``'s
+``derive``, ``probe``'s check) never do.
 
 - ``bindings``: ``llama_cpp``, the bindings without the high-level API (faster to import);
-- ``log``: llama.cpp's log with its levels (ERROR lines are a failure's reason);
+- ``log``: llama.cpp's log with its levels (ERROR lines are a failure's reason), and the
+  backend's start (``init_backend``);
 - ``devices``: the ggml backend devices of this build;
 - ``model``: one model and one context (``LoadedModel``): generation, teacher forcing;
-- ``capture``: named intermediate tensors through the eval callback.
+- ``capture``: named intermediate tensors through the eval callback;
+- ``worker``: the child that runs one stage of one combination; ``stage``: its supervisor;
+- ``llamalog``: what llama.cpp's log text says (where the weights are, why it failed);
+- ``provenance``: the machine, the build and where a run ran;
+- ``quant``: requantized and dequantized copies (``llama_model_quantize``);
+- ``probe``: which backends this build can use here (``strict_devices``).
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-
-from qdiff.engine.bindings import llama_cpp
-from qdiff.engine.log import LlamaLog
-
-
-def init_backend(errors_file: Path | None = None) -> LlamaLog:
-    """Route llama.cpp's log through qdiff and initialise the backends, once per process."""
-    log = LlamaLog(errors_file)
-    llama_cpp.llama_backend_init()
-    return log

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qdiff.core.formats import GGML_TYPES
 from qdiff.engine.bindings import llama_cpp
 from qdiff.engine.devices import shared_library
 
@@ -34,8 +35,8 @@ class _GgmlTensor(ctypes.Structure):
     ]
 
 
-_FLOAT_TYPES = {0: np.float32, 1: np.float16}  # GGML_TYPE_F32, GGML_TYPE_F16 (BF16 below)
-GGML_TYPE_BF16 = 30
+_FLOAT_TYPES = {GGML_TYPES["f32"]: np.float32, GGML_TYPES["f16"]: np.float16}  # (bf16 below)
+GGML_TYPE_BF16 = GGML_TYPES["bf16"]
 # llama.cpp's names for reshaped, permuted or viewed tensors: no new arithmetic
 _DERIVED_NAME = re.compile(r"\((view|permuted|reshaped|transposed|cont|copy)[^)]*\)$")
 _UNNAMED = re.compile(r"^(node|leaf)_\d+$")  # ggml's default names, numbered per graph

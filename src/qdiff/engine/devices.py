@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qdiff.backends import BACKENDS
+from qdiff.core.backends import BACKENDS
 from qdiff.engine.bindings import llama_cpp
 
 _DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}

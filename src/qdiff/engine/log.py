@@ -54,3 +54,10 @@ class LlamaLog:
     @property
     def text(self) -> str:
         return "".join(self.chunks)
+
+
+def init_backend(errors_file: Path | None = None) -> LlamaLog:
+    """Route llama.cpp's log through qdiff and initialise the backends, once per process."""
+    log = LlamaLog(errors_file)
+    llama_cpp.llama_backend_init()
+    return log

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from qdiff.core.formats import GGML_TYPES
+from qdiff.core.settings import DeviceSettings
 from qdiff.engine.bindings import llama_cpp
-from qdiff.settings import KV_CACHE_TYPES, DeviceSettings
 
 ALL_LAYERS = 0x7FFFFFFF  # llama.cpp clamps this to the model's layer count
 
@@ -70,8 +71,8 @@ def _context_params(
     on_gpu = device.on_gpu
     params.offload_kqv = on_gpu
     params.op_offload = on_gpu and device.op_offload
-    params.type_k = KV_CACHE_TYPES[device.kv_cache_type]
-    params.type_v = KV_CACHE_TYPES[device.kv_cache_type]
+    params.type_k = GGML_TYPES[device.kv_cache_type]
+    params.type_v = GGML_TYPES[device.kv_cache_type]
     params.no_perf = True
     if eval_callback is not None:
         params.cb_eval = eval_callback

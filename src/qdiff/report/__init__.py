@@ -17,10 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from qdiff.diagnosis import plural
-from qdiff.io import write_text
+from qdiff.core.io import write_text
+from qdiff.core.labels import Combination
 from qdiff.jobs import child_preexec
-from qdiff.labels import Combination
+from qdiff.judge.diagnosis import plural
 from qdiff.report.fmt import code, text
 from qdiff.report.html import markdown_to_html
 from qdiff.report.sections import (

@@ -1,6 +1,6 @@
 """Formatting shared by every section: numbers, table cells, tables. Untrusted text (a
 prompt, a model's output, a config value, a file's metadata, an error message) reaches the
-Markdown only through ``text`` or ``code`` (qdiff.markdown)."""
+Markdown only through ``text`` or ``code`` (qdiff.core.markdown)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from qdiff.markdown import NEWLINE, code, text
+from qdiff.core.markdown import NEWLINE, code, text
 
 __all__ = ["cell", "code", "count", "num", "piece", "table", "text"]
 _UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")

@@ -32,7 +32,7 @@ def markdown_to_html(markdown: str, title: str, plot_dir: Path, plot_href: str) 
     """``markdown`` as a standalone page; the PNGs it links as ``<plot_href>/<name>`` are
     embedded from ``plot_dir``, so the page shows them wherever it is opened. Any other or
     missing image stays a link. Raw HTML is never rendered: the Markdown's untrusted text
-    is escaped already (qdiff.markdown), and this is the second guard."""
+    is escaped already (qdiff.core.markdown), and this is the second guard."""
     body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
 
     def embed(match: re.Match[str]) -> str:

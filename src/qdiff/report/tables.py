@@ -6,7 +6,7 @@ from typing import Any
 
 import pandas as pd
 
-from qdiff.records import JOB_USAGE
+from qdiff.core.records import JOB_USAGE
 
 
 def pairs_frame(pairs: list[dict[str, Any]]) -> pd.DataFrame:
@@ -38,7 +38,7 @@ def runs_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
             "status": r["status"],
             "backend": r["settings"]["backend"],
             "load_s": timings.get("load_s"),
-            # the job's own measure of itself (qdiff.run.job_usage); empty in older records
+            # the job's own measure of itself (qdiff.engine.stage.job_usage); empty in older records
             **{k: timings.get(k) for k in JOB_USAGE},
         }
         if r["status"] != "ok":

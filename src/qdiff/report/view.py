@@ -7,7 +7,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from qdiff.labels import Combination, plot_name
+from qdiff.core.labels import Combination, plot_name
 
 
 @dataclass
@@ -17,7 +17,7 @@ class ModelView:
     pairs: list[dict[str, Any]]
     forced: list[dict[str, Any]] = field(default_factory=list)  # forced-pass records
     localised: dict[str, Any] | None = None  # None: capture is off
-    exact: dict[str, Any] | None = None  # distance from exact (qdiff.distance); None: off
+    exact: dict[str, Any] | None = None  # distance from exact (qdiff.compare.distance); None: off
     reference_model: dict[str, Any] | None = None  # against config.reference_model
     is_reference_model: bool = False
     reference: str | None = None  # label of the reference combination
@@ -36,7 +36,7 @@ class ModelView:
     @cached_property
     def first_step_top_k(self) -> int | None:
         """The tokens first steps were compared over: None for the full vocabulary, else
-        the teacher's top-k (``first_step_logits: top_k``; qdiff.compare, qdiff.distance)."""
+        the teacher's top-k (``first_step_logits: top_k``; qdiff.compare.pairs, qdiff.compare.distance)."""
         rows = self.ok_pairs + (self.exact["rows"] if self.exact else [])
         return next((r["first_step_top_k"] for r in rows if r.get("first_step_top_k")), None)
 

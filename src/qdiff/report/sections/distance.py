@@ -12,7 +12,7 @@ def legend(view: ModelView) -> str:
     return (
         "The exact answer is the model's own definition computed in float64 from the GGUF's "
         "weights (dequantized exactly as llama.cpp does), with no fp16 table, no KV-cache "
-        "rounding and no summation order of any backend (`src/qdiff/exact.py`). Every "
+        "rounding and no summation order of any backend (`src/qdiff/exact/`). Every "
         f"combination is measured against it: at the first step {view.first_step_tokens}, with KL as "
         "KL(exact ‖ combination), and along the teacher's text at every forced position over "
         "the logits teacher forcing keeps. ★ marks the combination closest to exact (smallest "

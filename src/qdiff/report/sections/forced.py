@@ -1,11 +1,12 @@
-"""The per-model teacher-forced comparison (qdiff.forcing)."""
+"""The per-model teacher-forced comparison (qdiff.compare.forced)."""
 
 from __future__ import annotations
 
-from qdiff import forcing, plots
-from qdiff.compare import label
-from qdiff.diagnosis import fork_sites, plural
-from qdiff.records import failure_text
+from qdiff.compare.forced import MIN_SCALE_POSITIONS, TIE_FACTOR
+from qdiff.compare.pairs import label
+from qdiff.core.records import failure_text
+from qdiff.judge.diagnosis import fork_sites, plural
+from qdiff.report import plots
 from qdiff.report.fmt import code, count, num, piece, table, text
 from qdiff.report.view import ModelView
 
@@ -20,8 +21,8 @@ def _legend(teacher: str, n_positions: int, n_prompts: int, top_k: int) -> str:
         "bucket for the rest, a lower bound of the full KL). A **fork** is a position whose "
         "top-1 tokens differ; its **margin** is the larger of the two sides' lead of their own "
         "token over the other's. A fork is a **near tie** when the margin is exact and at most "
-        f"{forcing.TIE_FACTOR:g}× the pair's median max \\|Δ\\| over the positions where the two "
-        f"are not bit-identical (at least {forcing.MIN_SCALE_POSITIONS} of them), a **red flag** "
+        f"{TIE_FACTOR:g}× the pair's median max \\|Δ\\| over the positions where the two "
+        f"are not bit-identical (at least {MIN_SCALE_POSITIONS} of them), a **red flag** "
         "when it exceeds that, and **undetermined** otherwise."
     )
 

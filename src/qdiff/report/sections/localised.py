@@ -1,12 +1,12 @@
-"""Where a model's pairs part, op by op (qdiff.localise)."""
+"""Where a model's pairs part, op by op (qdiff.compare.localise)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from qdiff import plots
-from qdiff.labels import Pair
-from qdiff.localise import around
+from qdiff.compare.localise import around
+from qdiff.core.labels import Pair
+from qdiff.report import plots
 from qdiff.report.fmt import code, num, table, text
 from qdiff.report.view import ModelView
 

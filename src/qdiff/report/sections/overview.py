@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from qdiff.compare import headline, label
-from qdiff.diagnosis import plural
-from qdiff.records import failure_text
+from qdiff.compare.pairs import headline, label
+from qdiff.core.records import failure_text
+from qdiff.judge.diagnosis import plural
 from qdiff.report.fmt import cell, code, count, num, table, text
 from qdiff.report.view import ModelView
 
@@ -171,7 +171,7 @@ def provenance(records: list[dict[str, Any]]) -> str:
                         if k not in ("backend", "env") and v != {}
                     )
                 ),
-                # values of names qdiff does not know as settings are placeholders (qdiff.secrets)
+                # values of names qdiff does not know as settings are placeholders (qdiff.core.secrets)
                 "env": text(
                     ", ".join(f"{k}={v}" for k, v in r["settings"].get("env", {}).items()) or "–"
                 ),
@@ -181,8 +181,8 @@ def provenance(records: list[dict[str, Any]]) -> str:
 
 
 def claims(views: list[ModelView]) -> str:
-    """The write-up's claims next to what qdiff measured (qdiff.claims)."""
-    from qdiff import claims as claims_lib
+    """The write-up's claims next to what qdiff measured (qdiff.judge.claims)."""
+    from qdiff.judge import claims as claims_lib
 
     return (
         (claims_lib.__doc__ or "").split("\n\n", 1)[1].strip()

@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.compare import headline
-from qdiff.metrics import PAIR_METRICS, median, percentile
+from qdiff.compare.metrics import PAIR_METRICS, median, percentile
+from qdiff.compare.pairs import headline
+from qdiff.judge.tolerance import HEADROOM, tolerances
 from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
-from qdiff.tolerance import HEADROOM, tolerances
 
 
 def legend(view: ModelView) -> str:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdiff import plots
-from qdiff.compare import headline
-from qdiff.io import load_array
-from qdiff.labels import Combination, Pair
+from qdiff.compare.pairs import headline
+from qdiff.core.io import load_array
+from qdiff.core.labels import Combination, Pair
+from qdiff.report import plots
 from qdiff.report.view import ModelView
 
 

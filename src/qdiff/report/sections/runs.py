@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qdiff.compare import label
+from qdiff.compare.pairs import label
 from qdiff.report.fmt import code, num, table, text
 from qdiff.report.view import ModelView
 

@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from qdiff.backends import BACKENDS
+from qdiff.core.backends import BACKENDS
 
 _BUFFER = re.compile(
     r"^(?P<stage>load_tensors|llama_kv_cache|llama_context|sched_reserve):\s+(?P<buf>\S+)\s+"

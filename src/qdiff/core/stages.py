@@ -1,18 +1,22 @@
 """The per-combination stages, in one table.
 
 Each stage runs llama.cpp once per model x device x dequant in an isolated worker process
-(qdiff.run, qdiff.worker) and leaves two files in its results folder: ``record.json`` (what
-happened, always written, also on failure) and its data file. The workflow's rules, path
-helpers and resources, the worker's modes, the failure path and the SLURM runtime all read
-this table, so a new stage is one entry here, one worker mode and one ``use rule`` in
-``workflow/rules/combinations.smk``.
+(qdiff.engine.stage, qdiff.engine.worker) and leaves two files in its results folder:
+``record.json`` (what happened, always written, also on failure) and its data file. The
+workflow's rules, path helpers and resources, the worker, the failure path, the SLURM runtime
+and the report (its inputs, its view of a model, its table of failures) all read this table,
+so a new stage is one entry here, its spec in qdiff.core.config, its function in
+qdiff.engine.worker, one ``use rule`` in ``workflow/rules/combinations.smk`` and, if the report
+is to show more than its failures, a report section. A stage has one name: its rule is
+``<name>_combination``, its logs are under ``results/logs/<name>/``, its records say
+``"stage": "<name>"`` and its worker function is ``STAGE_FUNCTIONS[<name>]``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qdiff.labels import Combination
+from qdiff.core.labels import Combination
 
 RECORD_FILE = "record.json"
 COMBINATION_PATH = "{model}/{device}/{dequant}"  # Snakemake wildcards of a combination
@@ -20,13 +24,16 @@ COMBINATION_PATH = "{model}/{device}/{dequant}"  # Snakemake wildcards of a comb
 
 @dataclass(frozen=True)
 class Stage:
-    name: str  # also the folder of its logs
-    rule: str  # the Snakemake rule
+    name: str  # its one name (see above)
     folder: str  # results folder of its records and data
     data_file: str  # written beside record.json
-    mode: str  # qdiff.worker mode
+    label: str  # what the report calls it, e.g. in the stages a failure cost
     runtime_min: int  # SLURM runtime per job on CPU (profiles/slurm may raise it)
     doc: str
+
+    @property
+    def rule(self) -> str:
+        return f"{self.name}_combination"
 
     def directory(self, combo: Combination) -> str:
         return f"{self.folder}/{combo.model}/{combo.device}/{combo.dequant}"
@@ -56,35 +63,28 @@ STAGES: dict[str, Stage] = {
     for s in (
         Stage(
             name="run",
-            rule="run_combination",
             folder="results/runs",
             data_file="logits.npy",
-            mode="generate",
+            label="run",
             runtime_min=240,
             doc="greedy generation from every prompt; first-step logits over the vocabulary",
         ),
         Stage(
             name="forced",
-            rule="force_combination",
             folder="results/forced",
             data_file="forced.npz",
-            mode="force",
+            label="teacher forcing",
             runtime_min=240,
-            doc="teacher forcing along the teacher's greedy output (qdiff.forcing)",
+            doc="teacher forcing along the teacher's greedy output (qdiff.compare.forced)",
         ),
         Stage(
             name="capture",
-            rule="capture_combination",
             folder="results/capture",
             data_file="capture.npz",
-            mode="capture",
+            label="capture",
             runtime_min=60,
-            doc="named intermediate tensors of one forward pass (qdiff.localise)",
+            doc="named intermediate tensors of one forward pass (qdiff.compare.localise)",
         ),
     )
 }
 RUN, FORCED, CAPTURE = STAGES["run"], STAGES["forced"], STAGES["capture"]
-
-
-def stage_of_mode(mode: str) -> Stage:
-    return next(s for s in STAGES.values() if s.mode == mode)

@@ -7,7 +7,7 @@ kernels do to activations (the diagnosis), what the provenance records, which bu
 Adding a backend is one entry here plus its `envs/` file; tests iterate the table.
 
 Pure Python with no third-party imports: `./setup` runs it before anything is installed
-(``python3 -m qdiff.backends cmake-args cuda,vulkan``).
+(``python3 -m qdiff.core.backends cmake-args cuda,vulkan``).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
             print(f"setup: {exc}", file=sys.stderr)
             return 2
         return 0
-    print("usage: python -m qdiff.backends cmake-args BACKEND[,BACKEND...]", file=sys.stderr)
+    print("usage: python -m qdiff.core.backends cmake-args BACKEND[,BACKEND...]", file=sys.stderr)
     return 2
 
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qdiff.forcing import (
+from qdiff.compare.forced import (
     TIE_FACTOR,
-    ForcedRecorder,
     compare_forced,
-    digest,
     first_step_metrics,
-    top_ids,
     with_probabilities,
 )
-from qdiff.metrics import logit_metrics
+from qdiff.compare.metrics import logit_metrics
+from qdiff.core.forced import ForcedRecorder, digest, top_ids
 
 VOCAB = 64
 

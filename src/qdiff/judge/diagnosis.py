@@ -5,7 +5,7 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
 - ``activation-quantization``: for two devices that ran the file (``none``) and its ``f32``
   copy, the file's difference is at least ``AMPLIFICATION`` times the copies'. The weights are
   the same in both cases, so the excess comes from the quantized-weight kernels, which round
-  the activations (formats per backend from qdiff.backends).
+  the activations (formats per backend from qdiff.core.backends).
 - ``float-precision``: two backends' ``f32`` copies differ by no more than one fp16 rounding of
   the weights on one device (its ``f32`` vs ``f16`` copy): summation order, TF32 and fp16
   arithmetic explain a gap of that size. A larger gap is reported as unexplained.
@@ -15,12 +15,12 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
   least ``COMPARABLE`` times as much as a change of backend does, so "the device" is not the
   only cause of forks.
 - ``unexplained``: a cross-backend difference that none of the rules above accounts for.
-- ``red-flag fork`` / ``forks``: along the teacher's text (qdiff.forcing), each fork is a near
+- ``red-flag fork`` / ``forks``: along the teacher's text (qdiff.compare.forced), each fork is a near
   tie, a red flag or undetermined. Forks are counted per pair and, since many pairs fork at
   the same place, by distinct site (prompt, position); a site counts as a near tie only when
   every pair that forks there is one.
 
-With the exact answer of the weights (qdiff.exact, qdiff.distance):
+With the exact answer of the weights (qdiff.exact, qdiff.compare.distance):
 
 - ``closer-to-exact``: for each pair that differs and asks one question (two devices on one
   file, or one device on two files), which side is closer to exact and by how much, at the
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
-from qdiff import markdown
-from qdiff.backends import BACKENDS
-from qdiff.compare import headline
-from qdiff.forcing import MIN_SCALE_POSITIONS, TIE_FACTOR
-from qdiff.labels import Combination, Pair
+from qdiff.compare.forced import MIN_SCALE_POSITIONS, TIE_FACTOR
+from qdiff.compare.pairs import headline
+from qdiff.core import markdown
+from qdiff.core.backends import BACKENDS
+from qdiff.core.labels import Combination, Pair
 
 AMPLIFICATION = 10.0
 COMPARABLE = 0.5
@@ -467,7 +467,7 @@ def diagnose(
     exact: dict[str, Any] | None = None,
 ) -> list[Finding]:
     """All findings for one model, device pair by device pair, in matrix order; with the
-    distance from exact (qdiff.distance), the rules that use it."""
+    distance from exact (qdiff.compare.distance), the rules that use it."""
     m = Matrix(records, pairs)
     if exact is not None and exact.get("status") == "ok":
         m.exact = {

@@ -1,6 +1,6 @@
 """Which backends this llama-cpp-python build can use here, asked before any job runs.
 
-``python -m qdiff.probe`` prints the ggml backend devices as JSON. The Snakefile runs it in
+``python -m qdiff.engine.probe`` prints the ggml backend devices as JSON. The Snakefile runs it in
 a child process (it must never load native code itself) when ``strict_devices`` is on, so
 that a missing backend stops the workflow before the first job, with the reason on the
 console.
@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from qdiff import secrets
-from qdiff.config import ConfigError, Experiment
+from qdiff.core import secrets
+from qdiff.core.config import ConfigError, Experiment
 
 
 def probe_devices(env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
@@ -24,7 +24,7 @@ def probe_devices(env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     these settings in its environment sees them (e.g. ``GGML_VK_VISIBLE_DEVICES``, without
     which llama.cpp skips a CPU-type Vulkan device)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "qdiff.probe"],
+        [sys.executable, "-m", "qdiff.engine.probe"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -47,7 +47,7 @@ def check_strict_devices(
     """Raise ConfigError naming every device whose backend this build cannot use here,
     probed once per distinct set of the numerics settings the devices put in their env
     (hidden values are never passed: they cannot change which devices exist)."""
-    from qdiff.backends import BACKENDS
+    from qdiff.core.backends import BACKENDS
 
     probed: dict[tuple[tuple[str, str], ...], list[dict[str, Any]]] = {}
     problems = []
@@ -73,10 +73,10 @@ def check_strict_devices(
 
 
 def main() -> int:
-    from qdiff import engine
     from qdiff.engine.devices import backend_devices
+    from qdiff.engine.log import init_backend
 
-    engine.init_backend()
+    init_backend()
     print(json.dumps([d.as_record() for d in backend_devices()]))
     return 0
 

@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from qdiff import markdown
-from qdiff.compare import headline
-from qdiff.labels import Pair
-from qdiff.settings import RELATION_TEXT
+from qdiff.compare.pairs import headline
+from qdiff.core import markdown
+from qdiff.core.labels import Pair
+from qdiff.core.settings import RELATION_TEXT
 
 HEADROOM = 1.5
 CROSS_DEVICE = ("backend", "gpu")

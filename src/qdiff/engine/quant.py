@@ -1,6 +1,6 @@
 """Requantize and dequantize GGUF files with llama.cpp's own llama_model_quantize.
 
-The conversion runs in a child process (``python -m qdiff.quant SRC DST TYPE THREADS``), as
+The conversion runs in a child process (``python -m qdiff.engine.quant SRC DST TYPE THREADS``), as
 inference does, so a corrupt file that crashes llama.cpp fails only its own job, with
 llama.cpp's reason.
 """
@@ -14,42 +14,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qdiff.labels import DEQUANT_COPIES
-from qdiff.records import failure_text
+from qdiff.core.formats import COPY_TYPES, QUANT_TYPES
+from qdiff.core.records import failure_text
 
 # less free space than this right after a failed conversion: the disk filled up
 FULL_DISK_BYTES = 16 * 2**20
-# llama.cpp's llama_ftype values (include/llama.h), by the names `llama-quantize` uses
-QUANT_TYPES = {
-    "q4_0": 2,
-    "q4_1": 3,
-    "q5_0": 8,
-    "q5_1": 9,
-    "q8_0": 7,
-    "q2_k": 10,
-    "q3_k_s": 11,
-    "q3_k_m": 12,
-    "q3_k_l": 13,
-    "q4_k_s": 14,
-    "q4_k_m": 15,
-    "q5_k_s": 16,
-    "q5_k_m": 17,
-    "q6_k": 18,
-    "iq4_nl": 25,
-    "iq4_xs": 30,
-}
-# dequantized copies: every quantized weight converted; f32 reproduces the weights exactly
-FLOAT_TYPES = dict(zip(DEQUANT_COPIES, (0, 1, 32), strict=True))
 
 
 def quantize(src: Path, dst: Path, target: str, threads: int) -> int:
-    """Write ``src`` converted to ``target`` (a QUANT_TYPES or FLOAT_TYPES name) at
+    """Write ``src`` converted to ``target`` (a QUANT_TYPES or COPY_TYPES name) at
     ``dst``; llama_model_quantize's return code (0: done)."""
     from qdiff.engine.bindings import llama_cpp  # native code: imported only by the child
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
-    params.ftype = {**QUANT_TYPES, **FLOAT_TYPES}[target]
+    params.ftype = {**QUANT_TYPES, **COPY_TYPES}[target]
     params.allow_requantize = True  # the source is usually quantized already
     return int(
         llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
@@ -67,8 +46,8 @@ def derive(
 ) -> str:
     """Convert ``source`` to ``target`` at ``dest`` in a child process; raise StageError
     naming the reason (a missing source, llama.cpp's message, a crash's signal)."""
+    from qdiff.engine.llamalog import abort_lines
     from qdiff.jobs import StageError, disk_full, spawn
-    from qdiff.llamalog import abort_lines
 
     if source_info.get("status", "ok") != "ok":
         raise StageError(
@@ -77,7 +56,15 @@ def derive(
     partial = dest.with_name(dest.name + ".partial")
     partial.unlink(missing_ok=True)
     code = spawn(
-        [sys.executable, "-m", "qdiff.quant", str(source), str(partial), target, str(threads)],
+        [
+            sys.executable,
+            "-m",
+            "qdiff.engine.quant",
+            str(source),
+            str(partial),
+            target,
+            str(threads),
+        ],
         log_path,
         timeout_s,
     )
@@ -109,10 +96,10 @@ def derive(
 
 
 def main(argv: list[str]) -> int:
-    from qdiff import engine
+    from qdiff.engine.log import init_backend
 
     src, dst, target, threads = Path(argv[0]), Path(argv[1]), argv[2], int(argv[3])
-    log = engine.init_backend()
+    log = init_backend()
     rc = quantize(src, dst, target, threads)
     if rc != 0 or not dst.exists():
         print(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from qdiff import secrets
+from qdiff.core import secrets
 
 if TYPE_CHECKING:  # imported where arrays are read or written, which most job parents never do
     import numpy as np
@@ -36,7 +36,7 @@ def _atomic(path: Path, mode: str, write: Callable[[IO[Any]], object]) -> None:
 
 def write_json(path: Path, value: Any) -> None:
     """Every record and sidecar is written here: a hidden value this process holds never is
-    (qdiff.secrets.scrub)."""
+    (qdiff.core.secrets.scrub)."""
     text = json.dumps(secrets.scrub(value), indent=1, sort_keys=False, default=str)
     _atomic(path, "w", lambda f: f.write(text + "\n"))
 

@@ -22,12 +22,12 @@ from urllib.parse import urlparse
 import jsonschema
 import yaml
 
-from qdiff import secrets
-from qdiff.backends import BACKENDS
-from qdiff.labels import DEQUANT_MODES, PAIR_SEPARATOR, Combination, Pair
-from qdiff.quant import QUANT_TYPES
-from qdiff.settings import KV_CACHE_TYPES, DeviceSettings
-from qdiff.stages import CAPTURE, FORCED, RUN, Stage
+from qdiff.core import secrets
+from qdiff.core.backends import BACKENDS
+from qdiff.core.formats import KV_CACHE_TYPES, QUANT_TYPES
+from qdiff.core.labels import DEQUANT_MODES, PAIR_SEPARATOR, Combination, Pair
+from qdiff.core.settings import DeviceSettings
+from qdiff.core.stages import CAPTURE, FORCED, RUN, Stage
 
 SOURCE_KINDS = ("url", "hf", "path", "package")
 # Names become path components and Snakemake wildcards: no separators, no "..", and no
@@ -100,7 +100,7 @@ class Experiment:
     exact: dict[str, Any] | None = None  # {"enabled"}
     reference_model: str | None = None  # a model every other model is measured against
     report: dict[str, Any] | None = None  # {"writeup_claims": bool}
-    first_step_logits: str = "full"  # "full" | "top_k": what a run keeps (qdiff.forcing)
+    first_step_logits: str = "full"  # "full" | "top_k": what a run keeps (qdiff.compare.forced)
 
     # ---- the matrix ----
 
@@ -135,7 +135,7 @@ class Experiment:
         return [m for m in self.run_models if self.reference_model and m != self.reference_model]
 
     def teacher(self, model: str) -> Combination:
-        """The combination whose greedy output every other is forced along (qdiff.forcing):
+        """The combination whose greedy output every other is forced along (qdiff.compare.forced):
         the reference, or else the model's first combination."""
         if self.reference:
             return Combination.parse(model, self.reference)
@@ -170,7 +170,7 @@ class Experiment:
             FORCED: self._forced_spec,
             CAPTURE: self._capture_spec,
         }
-        return {**builders[stage](combo), "mode": stage.mode}
+        return {**builders[stage](combo), "stage": stage.name}
 
     def _run_spec(self, combo: Combination) -> dict[str, Any]:
         return {
@@ -216,7 +216,7 @@ _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 @functools.cache
 def _schema() -> dict[str, Any]:
     """The JSON schema, with the enums that live in qdiff's tables filled in (read-only)."""
-    text = resources.files("qdiff").joinpath("config.schema.yaml").read_text()
+    text = resources.files("qdiff.core").joinpath("config.schema.yaml").read_text()
     schema: dict[str, Any] = yaml.load(text, Loader=_YAML_LOADER)
     device = schema["properties"]["devices"]["additionalProperties"]["properties"]
     device["backend"]["enum"] = list(BACKENDS)

@@ -1,7 +1,7 @@
 """Run one stage of one combination in an isolated child process and record what happened.
 
-The outcome is always a record (qdiff.records), so the report can name every combination:
-- ``ok``: the worker's record and data file (qdiff.stages).
+The outcome is always a record (qdiff.core.records), so the report can name every combination:
+- ``ok``: the worker's record and data file (qdiff.core.stages).
 - ``failed``: the model file is missing (an upstream stage failed), or llama.cpp crashed
   (a signal), errored, timed out or put the weights on the wrong device. The record carries
   the reason in llama.cpp's own words, the tail of its log, and a fresh ``run_token``.
@@ -26,13 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qdiff import jobs, records, secrets
-from qdiff.io import load_array, read_json, write_json
+from qdiff import jobs
+from qdiff.core import records, secrets
+from qdiff.core.io import load_array, read_json, write_json
+from qdiff.core.labels import Combination
+from qdiff.core.stages import RECORD_FILE, RUN, Stage
+from qdiff.engine.llamalog import failure_reason, parse_placement, tail
+from qdiff.engine.provenance import machine
 from qdiff.jobs import StopWorkflow
-from qdiff.labels import Combination
-from qdiff.llamalog import failure_reason, parse_placement, tail
-from qdiff.provenance import machine
-from qdiff.stages import RUN, Stage
 
 # The worker's exit codes. Defined here, in the parent, so that importing this module (the
 # Snakefile does, for retry_token) never loads llama.cpp's native code.
@@ -54,13 +55,13 @@ def determinism(attempts: list[Path]) -> dict[str, Any]:
     import numpy as np  # here only: every per-combination job imports this module
 
     first_logits = load_array(attempts[0] / RUN.data_file)
-    first_tokens = [p["tokens"] for p in read_json(attempts[0] / "record.json")["prompts"]]
+    first_tokens = [p["tokens"] for p in read_json(attempts[0] / RECORD_FILE)["prompts"]]
     max_abs, logits_same, tokens_same = 0.0, True, True
     for other in attempts[1:]:
         logits = load_array(other / RUN.data_file)
         logits_same &= bool(np.array_equal(first_logits, logits))
         max_abs = max(max_abs, float(np.abs(first_logits - logits).max(initial=0.0)))
-        tokens = [p["tokens"] for p in read_json(other / "record.json")["prompts"]]
+        tokens = [p["tokens"] for p in read_json(other / RECORD_FILE)["prompts"]]
         tokens_same &= tokens == first_tokens
     return {
         "repeats": len(attempts),
@@ -71,7 +72,7 @@ def determinism(attempts: list[Path]) -> dict[str, Any]:
 
 
 def _worker_main(argv: list[str]) -> int:
-    from qdiff import worker  # in the child only: it loads llama.cpp
+    from qdiff.engine import worker  # in the child only: it loads llama.cpp
 
     return worker.main(argv)
 
@@ -84,7 +85,7 @@ def _attempt(worker_spec: dict[str, Any], work: Path, log_path: Path, timeout: f
     argv = [str(work / "spec.json"), str(work)]
     if jobs.can_fork():  # the same worker, without a new interpreter's start and imports
         return jobs.fork(lambda: _worker_main(argv), log_path, timeout, env)
-    return jobs.spawn([sys.executable, "-m", "qdiff.worker", *argv], log_path, timeout, env)
+    return jobs.spawn([sys.executable, "-m", "qdiff.engine.worker", *argv], log_path, timeout, env)
 
 
 def job_usage(started: float) -> dict[str, float]:
@@ -159,7 +160,7 @@ def run_stage(
             if returncode != 0:
                 break
         if returncode == 0:
-            record = {**read_json(attempts[0] / "record.json"), "run_token": token}
+            record = {**read_json(attempts[0] / RECORD_FILE), "run_token": token}
             record["timings"] = {**record["timings"], **job_usage(started)}
             if len(attempts) > 1:
                 record["determinism"] = determinism(attempts)

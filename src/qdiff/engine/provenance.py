@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import qdiff
-from qdiff import secrets
-from qdiff.backends import BACKENDS
-from qdiff.hashcache import HashCache
-from qdiff.llamalog import Placement, cpu_features
+from qdiff.core import secrets
+from qdiff.core.backends import BACKENDS
+from qdiff.core.hashcache import HashCache
+from qdiff.engine.llamalog import Placement, cpu_features
 
 
 def package_version(name: str) -> str:
@@ -78,7 +78,7 @@ def run_provenance(
             "weight_buffers": sorted(placement.model_buffers),
         },
         # the device's env as configured: values qdiff does not know as settings are
-        # placeholders (qdiff.secrets), never the values; and whether each hidden value
+        # placeholders (qdiff.core.secrets), never the values; and whether each hidden value
         # reached this process
         "env": settings.get("env", {}),
         "hidden_env_received": secrets.received(settings.get("env", {})),

@@ -1,14 +1,14 @@
-"""Compare the runs of one model, every pair of them (qdiff.records.PairResult).
+"""Compare the runs of one model, every pair of them (qdiff.core.records.PairResult).
 
 ``compare_model`` does a model's pairs in bulk: it reads each run's files once (the logits
 memory-mapped), compares each prompt's logits of all runs in one sweep
-(qdiff.metrics.compare_rows), and takes from ``PairCache`` every pair whose input files are
+(qdiff.compare.metrics.compare_rows), and takes from ``PairCache`` every pair whose input files are
 byte-identical to those of a pair it compared before. So a model's comparison is one job, yet
 a changed device recomputes only the pairs it is in.
 
 First steps compare over the full vocabulary when both runs kept their logits, and otherwise
 (``first_step_logits: top_k``) on their forced passes' position 0, over the teacher's top-k
-tokens (qdiff.forcing.first_step_metrics); each pair says which in ``first_step_top_k``.
+tokens (qdiff.compare.forced.first_step_metrics); each pair says which in ``first_step_top_k``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from qdiff import forcing, labels, metrics, settings
-from qdiff.forcing import compare_forced, first_step_metrics, with_probabilities
-from qdiff.hashcache import HashCache
-from qdiff.io import load_arrays, read_json, write_json
-from qdiff.labels import Combination, Pair
-from qdiff.metrics import (
+from qdiff.compare.forced import compare_forced, first_step_metrics, with_probabilities
+from qdiff.compare.metrics import (
     PAIR_METRICS,
     check_comparable,
     compare_rows,
@@ -36,12 +32,11 @@ from qdiff.metrics import (
     median,
     summarise,
 )
-from qdiff.records import ErrorInfo, PairResult, Record
-from qdiff.settings import relation
-
-# Bump when a comparison's fields change: it is a param of the compare rule, so existing
-# comparisons are recomputed instead of reaching the report without the new fields.
-COMPARE_FORMAT = 6
+from qdiff.core.hashcache import HashCache
+from qdiff.core.io import load_arrays, read_json, write_json
+from qdiff.core.labels import Combination, Pair
+from qdiff.core.records import ErrorInfo, PairResult, Record
+from qdiff.core.settings import relation
 
 
 def label(record: Mapping[str, Any]) -> str:
@@ -155,7 +150,7 @@ def compare_forced_runs(
     rec_b: Record,
     data_b: dict[str, np.ndarray],
 ) -> dict[str, Any]:
-    """The teacher-forced part of a pair (qdiff.forcing), or why there is none."""
+    """The teacher-forced part of a pair (qdiff.compare.forced), or why there is none."""
     not_ok = [f"{label(r)} {r['status']}" for r in (rec_a, rec_b) if r["status"] != "ok"]
     if not_ok:
         return {"status": "n/a", "reason": "teacher-forced " + "; ".join(not_ok)}
@@ -337,7 +332,7 @@ def _compare_prompt(
     sliced: set[Pair],
 ) -> None:
     """One prompt's pairs: each run's row read once, and all pairs of rows of one shape in
-    one sweep (qdiff.metrics.compare_rows); a pair in ``sliced``: its forced passes' position
+    one sweep (qdiff.compare.metrics.compare_rows); a pair in ``sliced``: its forced passes' position
     0 instead. A pair that cannot be compared fails alone."""
     logits: dict[tuple[Combination, int], Any] = {}  # a row, or why it could not be read
 
@@ -442,28 +437,20 @@ def compare_model(
     return [results[p] for p in pairs]
 
 
-def _code_digest() -> str:
-    """The comparison's own version: its format and the source of the modules it runs."""
-    digest = hashlib.sha256(str(COMPARE_FORMAT).encode())
-    for path in (__file__, forcing.__file__, labels.__file__, metrics.__file__, settings.__file__):
-        digest.update(Path(str(path)).read_bytes())
-    return digest.hexdigest()
-
-
 CACHE_DIR = Path(".snakemake/qdiff/compare")
 
 
 class PairCache:
     """Finished comparisons by the content of what they read: the SHA-256 of each input
-    file and the comparison's own code (``_code_digest``). An entry is reused only for
-    byte-identical inputs, so a reused pair is exactly the pair computed again. One file
-    per model (``CACHE_DIR``) holds the pairs of its latest comparison; losing it only
-    costs time."""
+    file and the comparison's own code (``code``, the rule's param: qdiff.workflow's digest
+    of the modules it runs). An entry is reused only for byte-identical inputs, so a
+    reused pair is exactly the pair computed again. One file per model (``CACHE_DIR``)
+    holds the pairs of its latest comparison; losing it only costs time."""
 
-    def __init__(self, path: Path, hashes: HashCache | None = None) -> None:
+    def __init__(self, path: Path, code: str, hashes: HashCache | None = None) -> None:
         self.path = path
         self.hashes = hashes or HashCache()
-        self.code = _code_digest()
+        self.code = code
         try:
             stored = read_json(path)
             self.entries = stored["pairs"] if stored["code"] == self.code else {}
@@ -472,8 +459,8 @@ class PairCache:
         self.kept: dict[str, PairResult] = {}
 
     @classmethod
-    def of_model(cls, model: str) -> PairCache:
-        return cls(CACHE_DIR / f"{model}.json")
+    def of_model(cls, model: str, code: str) -> PairCache:
+        return cls(CACHE_DIR / f"{model}.json", code)
 
     def key(self, a: RunFiles, b: RunFiles) -> str | None:
         try:

@@ -6,7 +6,7 @@ Per combination, with the exact logits as the reference side of every metric:
   pass's position 0 when runs keep no full logits (``first_step_logits: top_k``, then
   ``first_step_top_k`` says so);
 - along the teacher's text, at every forced position, over the logits teacher forcing keeps
-  (qdiff.forcing): max |Δ| (median and max over positions), KL (a lower bound of the full
+  (qdiff.compare.forced): max |Δ| (median and max over positions), KL (a lower bound of the full
   KL), and top-1 agreement.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.compare import label
-from qdiff.forcing import compare_forced, first_step_metrics, with_probabilities
-from qdiff.metrics import METRICS, logit_metrics, median, percentile, summarise
-from qdiff.records import failure_text
+from qdiff.compare.forced import compare_forced, first_step_metrics, with_probabilities
+from qdiff.compare.metrics import METRICS, logit_metrics, median, percentile, summarise
+from qdiff.compare.pairs import label
+from qdiff.core.records import failure_text
 
 
 def distance(

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from qdiff.compare import headline
-from qdiff.labels import Combination, Pair
+from qdiff.compare.pairs import headline
+from qdiff.core.labels import Combination, Pair
 
 PROMPT = "rust"  # the write-up's prompt, "What is Rust?", in config/prompts.yaml
 FORMATS = {

@@ -1,7 +1,7 @@
 """The JSON files qdiff writes, written down once: their shapes (typed) and builders.
 
 - a model file's sidecar (``resources/models/<file>.gguf.json``): ``ModelInfo``;
-- a per-combination stage's ``record.json`` (qdiff.stages): ``Record``;
+- a per-combination stage's ``record.json`` (qdiff.core.stages): ``Record``;
 - a model's pair comparisons (``results/compare/<model>.json``, its ``pairs``): ``PairResult``.
 
 Every one of them has a ``status``: ``ok``, or ``failed`` / ``unavailable`` / ``n/a`` with
@@ -14,9 +14,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, TypedDict
 
-RECORD_FORMAT = 3  # bump when a record's fields change (a param of every stage's rule)
-# what a job measures of itself (qdiff.run.job_usage), in an ok record's timings; a record
-# written before they existed lacks them, and nothing depends on them, so no bump
+# what a job measures of itself (qdiff.engine.stage.job_usage), in an ok record's timings
 JOB_USAGE = ("stage_wall_s", "children_cpu_s", "children_peak_rss_mib")
 
 
@@ -45,9 +43,8 @@ class ModelInfo(TypedDict, total=False):
 
 
 class Record(TypedDict, total=False):
-    qdiff_record: int
     status: str  # ok | failed | unavailable
-    stage: str  # qdiff.stages name
+    stage: str  # qdiff.core.stages name
     model: str
     device: str
     dequant: str
@@ -66,15 +63,15 @@ class PairResult(TypedDict, total=False):
     a: str  # combination labels; a is the reference side of every metric
     b: str
     differs: list[str]  # "key a→b" for every setting that differs
-    relation: str  # qdiff.settings.relation of the two devices
+    relation: str  # qdiff.core.settings.relation of the two devices
     status: str  # ok | n/a | failed
     reason: str
-    summary: dict[str, Any]  # qdiff.metrics summaries over prompts
+    summary: dict[str, Any]  # qdiff.compare.metrics summaries over prompts
     # the tokens first steps compare over: None for the full vocabulary, else the teacher's
-    # top-k (first_step_logits: top_k; qdiff.forcing.first_step_metrics)
+    # top-k (first_step_logits: top_k; qdiff.compare.forced.first_step_metrics)
     first_step_top_k: int | None
     prompts: list[dict[str, Any]]
-    forced: dict[str, Any]  # qdiff.forcing.compare_forced, or why there is none
+    forced: dict[str, Any]  # qdiff.compare.forced.compare_forced, or why there is none
 
 
 def fresh_token() -> str:
@@ -91,7 +88,7 @@ def model_info(
     token: str | None,
 ) -> ModelInfo:
     """A made model file's sidecar; ``token`` is the job's retry_token param, kept so that
-    the next invocation sees the param it compared (qdiff.run.retry_token)."""
+    the next invocation sees the param it compared (qdiff.engine.stage.retry_token)."""
     return {
         "status": "ok",
         "file": file,
@@ -119,7 +116,6 @@ def failed_model_info(file: str, origin: str, error: ErrorInfo) -> ModelInfo:
 def record_head(spec: dict[str, Any], status: str, stage: str) -> Record:
     """The fields every record of a combination starts with."""
     return {
-        "qdiff_record": RECORD_FORMAT,
         "status": status,
         "stage": stage,
         "model": spec["model"],

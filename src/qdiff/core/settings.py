@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from qdiff.backends import BACKENDS, Backend
+from qdiff.core.backends import BACKENDS, Backend
 
 # KV cache precisions a device may ask for, with their ggml type ids (ggml.h)
-KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class DeviceSettings:
     op_offload: bool = False  # GPU backends only: send large host-side ops to the GPU
     main_gpu: int = 0
     kv_cache_type: str = "f16"
-    # values of names that are not known settings are placeholders (qdiff.secrets)
+    # values of names that are not known settings are placeholders (qdiff.core.secrets)
     env: dict[str, str] = field(default_factory=dict)
 
     @classmethod

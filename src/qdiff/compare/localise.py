@@ -1,6 +1,6 @@
 """Where two combinations part ways: tensor-by-tensor comparison of two captures.
 
-A capture (``qdiff.worker.capture``) holds the named intermediate tensors of one prompt's
+A capture (``qdiff.engine.worker.capture``) holds the named intermediate tensors of one prompt's
 forward pass, in graph order, as llama.cpp names them (``attn_norm-3``, ``ffn_out-3``,
 ``l_out-3``, ``result_output``): the last token position's values. Two captures of the same
 model are matched by name and occurrence (a name can repeat, e.g. ``norm-0``).
@@ -30,14 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.compare import headline
-from qdiff.io import load_arrays
-from qdiff.labels import Combination, Pair
-from qdiff.records import failure_text
+from qdiff.compare.pairs import headline
+from qdiff.core.io import load_arrays
+from qdiff.core.labels import Combination, Pair
+from qdiff.core.records import failure_text
 
 FLOOR_FACTOR = 10.0
-# Bump when the localisation's fields change (a param of the localise rule).
-LOCALISE_FORMAT = 2
 _LAYER = re.compile(r"-(\d+)$")
 _WEIGHT_LAYER = re.compile(r"^blk\.(\d+)\.")
 _ATTENTION_NAMES = re.compile(r"^(kq|kqv|__fattn__|fattn)")

@@ -1,10 +1,10 @@
 """The isolated child process that runs one stage of one combination:
-``python -m qdiff.worker SPEC OUT``, or ``main([SPEC, OUT])`` in a child that qdiff.run
+``python -m qdiff.engine.worker SPEC OUT``, or ``main([SPEC, OUT])`` in a child that qdiff.engine.stage
 forks (on Linux, ``qdiff.jobs.fork``: the same fresh process, without a new interpreter).
 
 It is the only process that runs inference, so a segfault or abort inside llama.cpp kills
-this process alone; the parent (qdiff.run) records it. On success it writes
-``OUT/record.json`` and its stage's data file (qdiff.stages); on a handled failure
+this process alone; the parent (qdiff.engine.stage) records it. On success it writes
+``OUT/record.json`` and its stage's data file (qdiff.core.stages); on a handled failure
 ``OUT/error.json``. llama.cpp's ERROR-level messages go to ``OUT/errors.txt`` as they come.
 """
 
@@ -17,16 +17,28 @@ from typing import Any
 
 import numpy as np
 
-from qdiff import engine, forcing, provenance, records
+from qdiff.core import records
+from qdiff.core.forced import ForcedRecorder, digest
+from qdiff.core.io import load_arrays, read_json, save_array, save_arrays, write_json
+from qdiff.core.settings import DeviceSettings
+from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, STAGES
+from qdiff.engine import provenance
 from qdiff.engine.capture import TensorCapture
 from qdiff.engine.devices import backend_devices, devices_for_backend, system_info
-from qdiff.engine.log import LlamaLog
+from qdiff.engine.llamalog import parse_placement, placement_problem
+from qdiff.engine.log import LlamaLog, init_backend
 from qdiff.engine.model import ContextError, Generation, LoadedModel, ModelLoadError
-from qdiff.io import load_arrays, read_json, save_array, save_arrays, write_json
-from qdiff.llamalog import parse_placement, placement_problem
-from qdiff.run import ERROR_FILE, ERRORS_FILE, EXIT_ERROR, EXIT_MISPLACED, EXIT_OK, EXIT_UNAVAILABLE
-from qdiff.settings import DeviceSettings
-from qdiff.stages import CAPTURE, FORCED, RUN, stage_of_mode
+from qdiff.engine.stage import (
+    ERROR_FILE,
+    ERRORS_FILE,
+    EXIT_ERROR,
+    EXIT_MISPLACED,
+    EXIT_OK,
+    EXIT_UNAVAILABLE,
+)
+
+# what a stage's function returns: its record, and its data file's array (.npy) or arrays (.npz)
+StageOutput = tuple[dict[str, Any], np.ndarray | dict[str, np.ndarray]]
 
 
 class WorkerFailure(Exception):
@@ -104,7 +116,7 @@ def _prompt_record(prompt: dict[str, Any], gen: Generation) -> dict[str, Any]:
         "stopped_at_eog": gen.stopped_at_eog,
         # bit-identity of the first step without its logits (first_step_logits: top_k), and
         # the forced pass's self-check
-        "first_logits_digest": forcing.digest(gen.first_logits),
+        "first_logits_digest": digest(gen.first_logits),
         "prompt_ms": round(1000 * gen.prompt_seconds, 3),
         "decode_ms_per_token": (
             round(1000 * float(np.mean(gen.decode_seconds)), 3) if gen.decode_seconds else None
@@ -141,9 +153,9 @@ def _fitting(
     return fitting, skipped
 
 
-def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
+def generate(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     """Greedy generation from every prompt: the record and the first-step logits (which
-    the parent keeps or drops, qdiff.config's ``first_step_logits``)."""
+    the parent keeps or drops, qdiff.core.config's ``first_step_logits``)."""
     generation = spec["generation"]
     loaded, prov = _load(spec, log)
     results: list[tuple[dict[str, Any], Generation]] = []
@@ -177,8 +189,7 @@ def generate(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
         },
         "provenance": prov,
     }
-    save_array(out / RUN.data_file, np.stack([g.first_logits for _, g in results]))
-    write_json(out / "record.json", record)
+    return record, np.stack([g.first_logits for _, g in results])
 
 
 def _teacher(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
@@ -198,8 +209,8 @@ def _teacher(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray
     return run, load_arrays(Path(inputs["teacher_data"])) if forced is not None else None
 
 
-def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
-    """Teacher forcing (qdiff.forcing): every prompt fed the teacher's greedy output."""
+def force(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
+    """Teacher forcing (qdiff.compare.forced): every prompt fed the teacher's greedy output."""
     run, teacher = _teacher(spec)
     sequences = {p["id"]: p["tokens"] for p in run["prompts"]}
     # this combination's free run: its first steps' digests, for the self-check
@@ -214,7 +225,7 @@ def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
     top_k = (
         teacher["slice_ids"].shape[-1] if teacher else min(spec["forcing"]["top_k"], loaded.n_vocab)
     )
-    recorder = forcing.ForcedRecorder(len(prompts), max_len, top_k)
+    recorder = ForcedRecorder(len(prompts), max_len, top_k)
     seconds, positions, first_step_same = 0.0, 0, 0
     with loaded:
         for p, prompt in enumerate(prompts):
@@ -251,12 +262,11 @@ def force(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
         },
         "provenance": prov,
     }
-    save_arrays(out / FORCED.data_file, arrays)
-    write_json(out / "record.json", record)
+    return record, arrays
 
 
-def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
-    """Tensor capture (qdiff.localise): the named intermediate tensors of each capture
+def capture(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
+    """Tensor capture (qdiff.compare.localise): the named intermediate tensors of each capture
     prompt's forward pass, read through llama.cpp's eval callback.
 
     Per prompt: a plain pass (the logits to check against), a shapes-only pass over one more
@@ -335,8 +345,7 @@ def capture(spec: dict[str, Any], out: Path, log: LlamaLog) -> None:
         "timings": {"load_s": round(load_s, 4)},
         "provenance": prov,
     }
-    save_arrays(out / CAPTURE.data_file, arrays)
-    write_json(out / "record.json", record)
+    return record, arrays
 
 
 def _decode_idle(loaded: LoadedModel, capturer: TensorCapture, tokens: list[int]) -> None:
@@ -347,20 +356,26 @@ def _decode_idle(loaded: LoadedModel, capturer: TensorCapture, tokens: list[int]
         loaded.extend(tokens)
 
 
-MODES: dict[str, Callable[[dict[str, Any], Path, LlamaLog], None]] = {
-    RUN.mode: generate,
-    FORCED.mode: force,
-    CAPTURE.mode: capture,
+# what each stage of qdiff.core.stages runs (tests/test_stages.py: one function a stage)
+STAGE_FUNCTIONS: dict[str, Callable[[dict[str, Any], LlamaLog], StageOutput]] = {
+    RUN.name: generate,
+    FORCED.name: force,
+    CAPTURE.name: capture,
 }
 
 
 def main(argv: list[str]) -> int:
     spec_path, out = Path(argv[0]), Path(argv[1])
     spec = read_json(spec_path)
-    stage_of_mode(spec["mode"])  # an unknown mode fails here, loudly
-    log = engine.init_backend(out / ERRORS_FILE)
+    stage = STAGES[spec["stage"]]  # an unknown stage fails here, loudly
+    log = init_backend(out / ERRORS_FILE)
     try:
-        MODES[spec["mode"]](spec, out, log)
+        record, data = STAGE_FUNCTIONS[stage.name](spec, log)
+        if isinstance(data, np.ndarray):
+            save_array(out / stage.data_file, data)
+        else:
+            save_arrays(out / stage.data_file, data)
+        write_json(out / RECORD_FILE, record)
         return EXIT_OK
     except WorkerFailure as exc:
         write_json(out / ERROR_FILE, {"kind": exc.kind, "message": str(exc)})

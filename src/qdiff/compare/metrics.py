@@ -11,7 +11,7 @@ Definitions follow the tools the field already uses:
 All arithmetic is float64, so the metric adds no rounding of its own. ``compare_rows``
 computes one prompt's metrics for every pair of many runs in one blocked sweep over the
 vocabulary, each run's softmax weights computed once however many pairs it is in, so
-comparing every pair of many runs is cheap (qdiff.compare.compare_model).
+comparing every pair of many runs is cheap (qdiff.compare.pairs.compare_model).
 """
 
 from __future__ import annotations

@@ -1,0 +1,146 @@
+"""The exact answer along the teacher's text (``reference``), its memory estimate
+(``memory_needed``), and the child process that computes it (``python -m
+qdiff.exact.reference SPEC OUT``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qdiff.exact.architectures import UnsupportedArchitectureError
+from qdiff.exact.model import ExactModel, gelu_fp16_table, gelu_tanh
+
+
+def reference(
+    model: Path, teacher_run: dict[str, Any], teacher_slices: np.ndarray | None, top_k: int
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The exact logits along the teacher's text: full-vocabulary first-step logits per
+    prompt, and at every position the forced passes keep (the teacher's ``teacher_slices``
+    token ids, or the exact top-``top_k`` without them) the same summaries as a forced pass
+    (qdiff.compare.forced), in float64. The prompts' tokens are llama.cpp's, from the teacher's run.
+
+    Also the first step with two of llama.cpp's CPU roundings applied
+    (``first_logits_cpu_roundings``): the fp16 GELU table where the model uses GELU, and the
+    f16 KV cache as the CPU's attention without flash attention uses it. How much of a CPU
+    f32 run's distance from exact they explain is then measured, not assumed."""
+    import resource
+    import time
+
+    from qdiff.core.forced import ForcedRecorder
+
+    start = time.perf_counter()
+    exact = ExactModel(model)
+    prompts = teacher_run["prompts"]
+    max_len = max((len(p["tokens"]) for p in prompts), default=0)
+    k = teacher_slices.shape[-1] if teacher_slices is not None else min(top_k, exact.hp.n_vocab)
+    recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64)
+    first = np.zeros((len(prompts), exact.hp.n_vocab))
+    first_cpu = np.zeros_like(first)
+    forward_s = 0.0
+    for p, prompt in enumerate(prompts):
+        tokens, forced = prompt["prompt_tokens"], prompt["tokens"]
+        sequence = tokens + forced[:-1]  # the last forced token predicts nothing kept
+        began = time.perf_counter()
+        logits = exact.forward(sequence, slice(len(tokens) - 1, len(sequence)))
+        forward_s += time.perf_counter() - began
+        first[p] = logits[0]
+        recorder.begin_prompt(p, len(tokens), forced)
+        for t in range(len(forced)):
+            recorder.add(p, t, logits[t], None if teacher_slices is None else teacher_slices[p, t])
+        exact.gelu, exact.f16_kv = gelu_fp16_table, True
+        first_cpu[p] = exact.forward(tokens, slice(len(tokens) - 1, len(tokens)))[0]
+        exact.gelu, exact.f16_kv = gelu_tanh, False
+    hp = exact.hp
+    record = {
+        "architecture": hp.arch.name,
+        "hparams": {
+            "n_embd": hp.n_embd,
+            "n_layer": hp.n_layer,
+            "n_head": hp.n_head,
+            "n_head_kv": hp.n_head_kv,
+            "head_dim": hp.head_dim,
+            "n_vocab": hp.n_vocab,
+            "rope_base": hp.rope_base,
+            "rope_base_swa": hp.rope_base_swa,
+            "n_swa": hp.n_swa,
+            "swa_layers": list(hp.swa_layers),
+        },
+        "weight_types": exact.weights.types(),
+        "prompt_ids": [p["id"] for p in prompts],
+        "n_positions": int(recorder.arrays["lengths"].sum()),
+        "top_k": int(k),
+        "timings": {
+            "total_s": round(time.perf_counter() - start, 3),
+            "forward_s": round(forward_s, 3),
+        },
+        # Linux reports kilobytes
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+    return record, {
+        **recorder.arrays,
+        "first_logits": first,
+        "first_logits_cpu_roundings": first_cpu,
+    }
+
+
+BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
+READER_BYTES_PER_TOKEN = 2560  # gguf-py's reader holds every vocabulary entry as arrays
+
+
+def memory_needed(model: Path, n_prompts: int, max_positions: int) -> int:
+    """Bytes ``reference`` needs for ``model`` along ``n_prompts`` prompts of at most
+    ``max_positions`` tokens, read off the file's tensor shapes before anything is loaded:
+    every weight in float64 (they are kept), the float32 copy of the largest one while it
+    is converted, the full-vocabulary logits it keeps and computes, the GGUF reader (which
+    parses the whole vocabulary: about 2.5 KiB a token, measured on Gemma 3's 262,144) and
+    a base. tests/test_gemma.py checks it against the peak resident memory of the default
+    experiment's models: never below, and within 1.5x."""
+    import gguf
+
+    reader = gguf.GGUFReader(model)
+    sizes = [int(t.n_elements) for t in reader.tensors]
+    vocab = reader.fields.get("tokenizer.ggml.tokens")
+    n_vocab = len(vocab.data) if vocab is not None else 0
+    logits = 8 * n_vocab * (2 * n_prompts + max_positions)
+    reader_bytes = READER_BYTES_PER_TOKEN * n_vocab
+    return 8 * sum(sizes) + 4 * max(sizes, default=0) + logits + reader_bytes + BASE_MEMORY
+
+
+ERROR_FILE = "error.json"  # a handled failure, written by the child
+UNSUPPORTED = 3  # the child's exit code for an architecture the engine does not have
+
+
+def main(argv: list[str]) -> int:
+    """``python -m qdiff.exact.reference SPEC``: ``reference`` in a process of its own, so
+    that the kernel's out-of-memory killer ends this process alone and its supervisor
+    records it (workflow/scripts/exact_reference.py). Writes the spec's ``record`` and
+    ``data`` files, or ``ERROR_FILE`` beside them (``kind`` "unsupported", exit code
+    UNSUPPORTED, for an architecture the engine does not have)."""
+    from qdiff.core.io import load_arrays, read_json, save_arrays, write_json
+
+    spec = read_json(Path(argv[0]))
+    out = Path(spec["record"]).parent
+    run = read_json(Path(spec["teacher_run"]))
+    slices = load_arrays(Path(spec["teacher_data"]))["slice_ids"] if spec["teacher_data"] else None
+    try:
+        record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"])
+    except UnsupportedArchitectureError as exc:
+        write_json(out / ERROR_FILE, {"kind": "unsupported", "message": str(exc)})
+        return UNSUPPORTED
+    except MemoryError:
+        write_json(
+            out / ERROR_FILE,
+            {"kind": "memory", "message": "the float64 engine ran out of memory (MemoryError)"},
+        )
+        return 1
+    save_arrays(Path(spec["data"]), arrays)
+    write_json(Path(spec["record"]), record)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
