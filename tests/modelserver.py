@@ -61,34 +61,18 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         server = self.server
         server.requests.append(("GET", self.path, dict(self.headers)))
-        if self.path.startswith("/redirect-away"):  # to plain http off loopback, signed
-            self.send_response(302)
-            self.send_header("Location", f"http://example.invalid/m.gguf?{REDIRECT_QUERY}")
-            self.end_headers()
-            return
         if self.path.startswith("/redirect"):
-            self.send_response(302)
-            self.send_header("Location", "/model.gguf")
-            self.end_headers()
-            return
-        if self.path.startswith("/forever"):  # a GGUF header, then zeros, with no length
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"GGUF")
-            try:
-                while True:
-                    self.wfile.write(bytes(1 << 16))
-                    time.sleep(0.005)
-            except OSError:  # the client hung up
-                return
+            return self._redirect()
+        if self.path.startswith("/forever"):
+            return self._forever()
         if server.failures_left:
             server.failures_left -= 1
             self.send_error(503)
-            return
+            return None
         body = self._body()
         if body is None:
             self.send_error(404)
-            return
+            return None
         start = 0
         if rng := self.headers.get("Range"):
             start = int(rng.removeprefix("bytes=").split("-")[0])
@@ -100,7 +84,31 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
         self.send_header("X-Repo-Commit", "0" * 40)
         self.end_headers()
-        chunk = body[start:]
+        return self._send(body[start:])
+
+    def _redirect(self) -> None:
+        """To the model here, or (``/redirect-away``) to plain http elsewhere, signed."""
+        away = self.path.startswith("/redirect-away")
+        self.send_response(302)
+        location = f"http://example.invalid/m.gguf?{REDIRECT_QUERY}" if away else "/model.gguf"
+        self.send_header("Location", location)
+        self.end_headers()
+
+    def _forever(self) -> None:
+        """A GGUF header, then zeros, with no length, until the client hangs up."""
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"GGUF")
+        try:
+            while True:
+                self.wfile.write(bytes(1 << 16))
+                time.sleep(0.005)
+        except OSError:
+            return
+
+    def _send(self, chunk: bytes) -> None:
+        """The body: whole, as a trickle, or cut halfway (a dropped connection)."""
+        server = self.server
         if server.trickle:
             size, pause = server.trickle
             for i in range(0, len(chunk), size):

@@ -52,7 +52,9 @@ def view(
     rows = [
         {"combination": c, "status": "ok", "first_step": {"max_abs": d}} for c, d in exact.items()
     ]
-    return ModelView(model, records, pairs, exact={"model": model, "status": "ok", "rows": rows})
+    return ModelView(
+        model, {"run": records}, pairs, exact={"model": model, "status": "ok", "rows": rows}
+    )
 
 
 def as_written(fmt: str, fork: int | None) -> ModelView:
@@ -93,7 +95,7 @@ def test_a_gpu_that_also_rounds_activations_fails_that_claim_and_says_why() -> N
 
 def test_claims_without_a_gpu_are_not_measured_not_failed() -> None:
     v = as_written("Q8_0", None)
-    v.records = [r for r in v.records if r["device"] == "cpu"]
+    v.stages["run"] = [r for r in v.records if r["device"] == "cpu"]
     rows = check_all([v])
     assert rows[2]["holds"] == "not measured" and rows[0]["holds"] == "yes"
 

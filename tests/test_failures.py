@@ -155,7 +155,12 @@ def test_the_report_renders_with_a_failure_in_every_stage(broken) -> None:
     for model, reason in expected.items():
         rows = [line for line in table.splitlines() if line.startswith(f"| `{model}`")]
         assert rows and any(re.search(reason, row) for row in rows), (model, rows)
-    assert re.search(r"`truncated`\s+\| `cpu.f32`\s+\| model file", table)  # the copy, downstream
+    # the f32 copy of the truncated file failed to be made: every stage that needs it says so
+    assert re.search(
+        r"`truncated`\s+\| `cpu.f32`\s+\| run, teacher forcing, capture\s+\| failed\s+\| "
+        r"model file truncated.dequant-f32.gguf is missing",
+        table,
+    )
     assert not re.search(r"`good`\s+\| `cpu\.", table)  # the healthy model ran on cpu
     text = (ws.root / "results/summary.md").read_text()
     good = text.split("## Model `good`")[1].split("## Model")[0]

@@ -53,18 +53,46 @@ def test_sigkill_of_snakemake_alone_stops_every_job_then_rerun_completes(
     )
     del config["models"]["tiny"]["requantize"]
     workspace.write_config(config)
-    # its own session, so the test can see (and, if it fails, clean up) all it started
+    logs, runs = workspace.root / "results/logs/run", workspace.root / "results/runs"
+    killed_at = kill_snakemake_inside_a_run(workspace, logs)
+    interrupted = [
+        runs / log.relative_to(logs).with_suffix("") / "record.json"
+        for log in logs.rglob("*.log")
+        if "[qdiff] prompt p0" in log.read_text(errors="replace")
+    ]
+    interrupted = [record for record in interrupted if not record.exists()]
+    assert interrupted, "the kill should have hit a run that had not finished"
+    assert not (workspace.root / "results/summary.md").exists()
+
+    # Snakemake keeps its lock after a kill (it cannot tell a dead run from a live one):
+    # unlock, then a plain rerun; the workflow profile redoes the incomplete outputs
+    locked = workspace.snakemake(check=False)
+    assert locked.returncode != 0 and "--unlock" in locked.stdout + locked.stderr
+    workspace.snakemake("--unlock")
+    workspace.snakemake()
+    for record in interrupted:
+        assert json.loads(record.read_text())["status"] == "ok"
+        assert record.stat().st_mtime > killed_at
+        assert not list(record.parent.glob(".*"))  # no staging or worker leftovers
+    records = list(runs.glob("*/*/*/record.json"))
+    assert len(records) == 4
+    assert all(json.loads(r.read_text())["status"] == "ok" for r in records)
+    assert workspace.planned_jobs() == []
+
+
+def kill_snakemake_inside_a_run(workspace: Workspace, logs: Path) -> float:
+    """Start the workflow in a session of its own (so the test can see, and clean up, all
+    it started), wait until a run is inside llama.cpp (its first prompt done), SIGKILL
+    Snakemake only, and check that its jobs and their llama.cpp processes did not go on
+    without it, nor wrote anything after. Returns when it was killed."""
     proc = subprocess.Popen(
         workspace.command(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    logs = workspace.root / "results/logs/run"
     deadline = time.monotonic() + 300
     try:
-        # wait until a run is inside llama.cpp (its first prompt done), then kill Snakemake
-        # only: its jobs and their llama.cpp processes must not go on without it
         while time.monotonic() < deadline:
             if any(
                 "[qdiff] prompt p0" in f.read_text(errors="replace") for f in logs.rglob("*.log")
@@ -86,35 +114,7 @@ def test_sigkill_of_snakemake_alone_stops_every_job_then_rerun_completes(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    killed_at = time.time()
-    interrupted = [
-        f
-        for f in logs.rglob("*.log")
-        if "[qdiff] prompt p0" in f.read_text(errors="replace")
-        and not (
-            workspace.root / "results/runs" / f.relative_to(logs).with_suffix("") / "record.json"
-        ).exists()
-    ]
-    assert interrupted, "the kill should have hit a run that had not finished"
-    assert not (workspace.root / "results/summary.md").exists()
-
-    # Snakemake keeps its lock after a kill (it cannot tell a dead run from a live one):
-    # unlock, then a plain rerun; the workflow profile redoes the incomplete outputs
-    locked = workspace.snakemake(check=False)
-    assert locked.returncode != 0 and "--unlock" in locked.stdout + locked.stderr
-    workspace.snakemake("--unlock")
-    workspace.snakemake()
-    for log in interrupted:
-        record = (
-            workspace.root / "results/runs" / log.relative_to(logs).with_suffix("") / "record.json"
-        )
-        assert json.loads(record.read_text())["status"] == "ok"
-        assert record.stat().st_mtime > killed_at
-        assert not list(record.parent.glob(".*"))  # no staging or worker leftovers
-    records = list((workspace.root / "results/runs").glob("*/*/*/record.json"))
-    assert len(records) == 4
-    assert all(json.loads(r.read_text())["status"] == "ok" for r in records)
-    assert workspace.planned_jobs() == []
+    return time.time()
 
 
 def test_a_late_writer_never_overwrites_a_newer_result(

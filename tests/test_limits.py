@@ -171,7 +171,7 @@ def test_an_exact_stage_beyond_the_cgroups_memory_is_refused_before_it_starts(
     assert exact["status"] == "failed", exact
     message = exact["error"]["message"]
     assert re.search(
-        r"the float64 engine needs about 0\.\d\d GiB for tiny, and the cgroup's memory limit "
+        r"the float64 engine needs about 0\.\d\d GiB for tiny\.gguf, and the cgroup's memory limit "
         rf"\(/sys/fs/cgroup/memory/{group.name}\) allows 0\.\d\d GiB: free memory, set "
         r"exact.max_memory_gib",
         message,

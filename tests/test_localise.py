@@ -146,7 +146,7 @@ def test_a_divergence_that_barely_crosses_the_threshold_says_so() -> None:
     )
     view = ModelView(
         "m",
-        [],
+        {"run": []},
         [],
         localised={
             "floor_factor": FLOOR_FACTOR,
@@ -200,7 +200,9 @@ def test_ops_only_one_graph_computes_are_named_before_the_next_shared_tensor() -
 
 
 def _view(entry: dict) -> ModelView:
-    return ModelView("m", [], [], localised={"floor_factor": FLOOR_FACTOR, "pairs": [entry]})
+    return ModelView(
+        "m", {"run": []}, [], localised={"floor_factor": FLOOR_FACTOR, "pairs": [entry]}
+    )
 
 
 def test_report_says_when_capturing_changed_the_logits() -> None:

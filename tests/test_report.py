@@ -87,7 +87,7 @@ def test_the_pairs_table_sorts_by_number_not_by_its_text() -> None:
     # formatted, "9.5e-05" sorts after "0.2" as text; as numbers it is the smallest
     view = ModelView(
         "m",
-        [],
+        {"run": []},
         [
             pair("cpu.none", "cuda.none", 9.5e-05),
             pair("cpu.f32", "cuda.f32", 0.2),
@@ -101,7 +101,7 @@ def test_the_pairs_table_sorts_by_number_not_by_its_text() -> None:
 def test_a_pair_that_did_not_run_is_never_shown_as_a_number() -> None:
     view = ModelView(
         "m",
-        [],
+        {"run": []},
         [
             {
                 "model": "m",
@@ -119,24 +119,19 @@ def test_a_pair_that_did_not_run_is_never_shown_as_a_number() -> None:
 
 def test_failures_are_listed_once_per_cause_with_every_stage_they_cost() -> None:
     upstream = {"kind": "upstream", "message": "model file m.gguf is missing: HTTP 404"}
+    failed = run_record("cpu", "none", "failed", error=upstream)
     view = ModelView(
         "m",
-        [
-            run_record("cpu", "none", "failed", error=upstream),
-            run_record("gpu", "none", "unavailable", error={"message": "no cuda"}),
-        ],
-        [],
-        forced=[run_record("cpu", "none", "failed", error=upstream)],
-        localised={
-            "not_captured": {
-                "cpu.none": {"status": "failed", "kind": "upstream", "reason": upstream["message"]}
-            },
-            "pairs": [],
+        {
+            "run": [failed, run_record("gpu", "none", "unavailable", error={"message": "no cuda"})],
+            "forced": [failed],
+            "capture": [failed],
         },
+        [],
     )
     text = overview.failures([view])
     (row,) = [line for line in text.splitlines() if "`cpu.none`" in line]
-    assert "model file, teacher forcing, capture" in row and "HTTP 404" in row
+    assert "run, teacher forcing, capture" in row and "HTTP 404" in row
     assert "`gpu.none`" in text and "unavailable" in text
 
 
@@ -144,7 +139,9 @@ def test_a_broken_section_costs_only_itself(capsys: pytest.CaptureFixture[str]) 
     def broken(view: ModelView) -> str:
         raise KeyError("summary")
 
-    assert "could not be rendered (KeyError: 'summary')" in safely(broken, ModelView("m", [], []))
+    assert "could not be rendered (KeyError: 'summary')" in safely(
+        broken, ModelView("m", {"run": []}, [])
+    )
     assert "KeyError" in capsys.readouterr().err  # the traceback goes to the job's log
 
 
@@ -152,7 +149,7 @@ def views_with_plots(plot_dir: Path) -> list[ModelView]:
     return [
         ModelView(
             f"m{i}",
-            [run_record("cpu", "none"), run_record("cuda", "none")],
+            {"run": [run_record("cpu", "none"), run_record("cuda", "none")]},
             [pair("cpu.none", "cuda.none", 0.5 * (i + 1))],
             plot_dir=plot_dir,
         )
@@ -187,7 +184,9 @@ def test_a_model_whose_process_dies_renders_again_in_the_report_s_own(
 
 
 def test_every_section_renders_for_a_model_that_did_not_run_at_all() -> None:
-    view = ModelView("m", [run_record("cpu", "none", "failed", error={"message": "boom"})], [])
+    view = ModelView(
+        "m", {"run": [run_record("cpu", "none", "failed", error={"message": "boom"})]}, []
+    )
     text = "\n".join(render_model(view))
     for heading, _ in MODEL_SECTIONS:
         assert f"### {heading}" in text
@@ -197,7 +196,7 @@ def test_every_section_renders_for_a_model_that_did_not_run_at_all() -> None:
 def test_texts_mark_which_combinations_agree_with_the_first() -> None:
     a, b = run_record("cpu", "none"), run_record("cuda", "none")
     b["prompts"][0]["tokens"] = [1, 3]
-    text = runs.texts(ModelView("m", [a, b], []))
+    text = runs.texts(ModelView("m", {"run": [a, b]}, []))
     assert re.search(r"\| `cpu.none`\s+\| same", text) and re.search(
         r"\| `cuda.none`\s+\| differs", text
     )
@@ -206,7 +205,7 @@ def test_texts_mark_which_combinations_agree_with_the_first() -> None:
 def test_the_tolerance_says_what_it_covers_and_never_calls_a_setting_change_cross_device() -> None:
     view = ModelView(
         "m",
-        [],
+        {"run": []},
         [
             pair("cpu.none", "cuda.none", 2.0),
             pair("cpu.none", "cpu-fa.none", 1.8, "settings", "flash_attn off→on"),
@@ -219,9 +218,9 @@ def test_the_tolerance_says_what_it_covers_and_never_calls_a_setting_change_cros
 
 
 def test_the_findings_never_read_nothing_compared_as_equal() -> None:
-    ran = ModelView("m", [run_record("cpu", "none")], [])
+    ran = ModelView("m", {"run": [run_record("cpu", "none")]}, [])
     assert overview.found([ran]) == "- On `m`, no two combinations were compared."
-    same = ModelView("m", [], [pair("cpu.none", "cpu.f32", 0.0, forked=0)])
+    same = ModelView("m", {"run": []}, [pair("cpu.none", "cpu.f32", 0.0, forked=0)])
     assert "every compared pair gave bit-identical first-step logits (1 pair(s), 4 prompts)" in (
         overview.found([same])
     )
@@ -233,7 +232,9 @@ def test_the_findings_quote_the_largest_pair_and_the_distance_from_exact() -> No
 
     exact = {"status": "ok", "rows": [row("cpu.none", 1.48), row("cpu.f32", 0.0136)]}
     views = [
-        ModelView(f"m{i}", [], [pair("cpu.none", "cpu.f32", 0.5), pair("a.none", "b.none", 1.79)])
+        ModelView(
+            f"m{i}", {"run": []}, [pair("cpu.none", "cpu.f32", 0.5), pair("a.none", "b.none", 1.79)]
+        )
         for i in range(4)
     ]
     views[0].exact = exact

@@ -104,16 +104,38 @@ def write_tiny_model(
     swa_pattern: int = 0,
     licence: str | None = "cc0-1.0",  # weights of our own making; the report shows it
 ) -> Path:
-    rng = np.random.default_rng(seed)
-    tokens, scores, types = spm_vocab()
-    n_vocab = len(tokens)
     n_head_kv = n_head_kv or n_head
-    head_dim = n_embd // n_head
-    gemma = arch == "gemma3"
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"qdiff-tiny-{seed}" if arch == "llama" else f"qdiff-tiny-{arch}-{seed}")
     if licence is not None:
         writer.add_license(licence)
+    _hyperparameters(
+        writer, arch, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx, n_swa, swa_pattern
+    )
+    n_vocab = _tokenizer(writer)
+    _tensors(
+        writer, np.random.default_rng(seed), arch, n_vocab, n_embd, n_layer, n_head, n_head_kv, n_ff
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _hyperparameters(
+    writer: gguf.GGUFWriter,
+    arch: str,
+    n_embd: int,
+    n_layer: int,
+    n_head: int,
+    n_head_kv: int,
+    n_ff: int,
+    n_ctx: int,
+    n_swa: int,
+    swa_pattern: int,
+) -> None:
+    head_dim = n_embd // n_head
     writer.add_context_length(n_ctx)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(n_layer)
@@ -122,7 +144,7 @@ def write_tiny_model(
     writer.add_head_count_kv(n_head_kv)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    if gemma:
+    if arch == "gemma3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_rope_freq_base(1e6)  # global layers; local layers use llama.cpp's 1e4
@@ -130,6 +152,11 @@ def write_tiny_model(
         if swa_pattern:
             writer.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
     writer.add_file_type(0)  # all F32
+
+
+def _tokenizer(writer: gguf.GGUFWriter) -> int:
+    """A llama-spm vocabulary; its size."""
+    tokens, scores, types = spm_vocab()
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -138,6 +165,22 @@ def write_tiny_model(
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
+    return len(tokens)
+
+
+def _tensors(
+    writer: gguf.GGUFWriter,
+    rng: np.random.Generator,
+    arch: str,
+    n_vocab: int,
+    n_embd: int,
+    n_layer: int,
+    n_head: int,
+    n_head_kv: int,
+    n_ff: int,
+) -> None:
+    head_dim = n_embd // n_head
+    gemma = arch == "gemma3"
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
@@ -166,8 +209,3 @@ def write_tiny_model(
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(head_dim))
             writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm(n_embd))
             writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm(n_embd))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path

@@ -210,41 +210,9 @@ def download_url(
     if token_env and not token:
         raise FetchError(f"environment variable {token_env} (token_env) is not set")
     for attempt in range(1, retries + 2):
-        offset = partial.stat().st_size if partial.exists() else 0
-        try:
-            # the socket timeout bounds each read, so a stall is noticed within a window
-            with _open(url, offset, token, min(timeout, stall.window_s)) as response:
-                resumed = response.status == 206
-                if offset and not resumed:
-                    _console(f"{label}: server ignored the resume request; starting over")
-                length = response.headers.get("Content-Length")
-                total = (int(length) + (offset if resumed else 0)) if length else None
-                if total is not None and total > stall.max_bytes:
-                    raise stall.too_long(label, total, announced=True)
-                with partial.open("ab" if resumed else "wb") as out:
-                    done = _copy(response, out, offset if resumed else 0, total, label, stall)
-                if total is not None and done < total:
-                    raise ConnectionError(f"connection closed at {done} of {total} bytes")
-                return
-        except FetchError:  # a body too long: final, and nothing worth resuming
-            partial.unlink(missing_ok=True)
-            raise
-        except urllib.error.HTTPError as exc:
-            if exc.code == 416 and offset:  # asked to resume past the end: start over
-                partial.unlink()
-                continue
-            if exc.code < 500 and exc.code != 429:
-                raise FetchError(
-                    f"HTTP {exc.code} {exc.reason} for {label}: check the URL"
-                    + (" and the token" if exc.code in (401, 403) else "")
-                ) from None
-            error: Exception = exc
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-            if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, FetchError):
-                raise exc.reason from None
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                raise  # final, not transient (fetch says so)
-            error = exc
+        error = _attempt(url, partial, token, min(timeout, stall.window_s), label, stall)
+        if error is None:
+            return
         if attempt > retries:
             raise FetchError(
                 f"download of {label} failed after {attempt} attempts: {error}; "
@@ -253,6 +221,48 @@ def download_url(
         wait = backoff * 2 ** (attempt - 1)
         _console(f"{label}: attempt {attempt} failed ({error}); retrying in {wait:.0f} s")
         time.sleep(wait)
+
+
+def _attempt(
+    url: str, partial: Path, token: str | None, timeout: float, label: str, stall: DownloadLimits
+) -> Exception | None:
+    """One attempt, resumed from ``partial``: None when the file is complete, the error worth
+    another attempt, or FetchError raised for one that is final."""
+    offset = partial.stat().st_size if partial.exists() else 0
+    try:
+        # the socket timeout bounds each read, so a stall is noticed within a window
+        with _open(url, offset, token, timeout) as response:
+            resumed = response.status == 206
+            if offset and not resumed:
+                _console(f"{label}: server ignored the resume request; starting over")
+            length = response.headers.get("Content-Length")
+            total = (int(length) + (offset if resumed else 0)) if length else None
+            if total is not None and total > stall.max_bytes:
+                raise stall.too_long(label, total, announced=True)
+            with partial.open("ab" if resumed else "wb") as out:
+                done = _copy(response, out, offset if resumed else 0, total, label, stall)
+            if total is not None and done < total:
+                raise ConnectionError(f"connection closed at {done} of {total} bytes")
+            return None
+    except FetchError:  # a body too long: final, and nothing worth resuming
+        partial.unlink(missing_ok=True)
+        raise
+    except urllib.error.HTTPError as exc:
+        if exc.code == 416 and offset:  # asked to resume past the end: start over
+            partial.unlink()
+            return exc
+        if exc.code < 500 and exc.code != 429:
+            raise FetchError(
+                f"HTTP {exc.code} {exc.reason} for {label}: check the URL"
+                + (" and the token" if exc.code in (401, 403) else "")
+            ) from None
+        return exc
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, FetchError):
+            raise exc.reason from None
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise  # final, not transient (fetch says so)
+        return exc
 
 
 def _fetch_hf(spec: dict[str, Any], partial: Path) -> None:

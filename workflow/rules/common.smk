@@ -439,20 +439,19 @@ def reference_model_inputs(wildcards):
     return inputs
 
 
-def stage_files(stage, kind):
-    """The records (or data files) of one stage for every combination, for the report."""
-    if not EXPERIMENT.stage_enabled(stage):
-        return []
-    if kind == "record":
-        return [stage.record(c) for c in EXPERIMENT.all_combinations()]
-    return data_files(stage, EXPERIMENT.all_combinations())
-
-
 def report_inputs(wildcards):
+    """Every enabled stage's records (``<stage>_records``; qdiff.core.stages), the runs'
+    first-step logits where they keep them, and each model's comparisons and results."""
+    combos = EXPERIMENT.all_combinations()
+    records = {
+        f"{stage.name}_records": (
+            [stage.record(c) for c in combos] if stage in ENABLED_STAGES else []
+        )
+        for stage in STAGES.values()
+    }
     return {
-        "records": stage_files(RUN, "record"),
-        "logits": stage_files(RUN, "data"),
-        "forced": stage_files(FORCED, "record"),
+        **records,
+        "logits": data_files(RUN, combos),
         "pairs": [compare_file(m) for m in EXPERIMENT.run_models],
         "localised": (
             [localise_file(m) for m in EXPERIMENT.run_models]

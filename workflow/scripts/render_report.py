@@ -1,42 +1,55 @@
-"""Render results/summary.md and the machine-readable tables (rule report)."""
+"""Render results/summary.md, its page and the machine-readable tables (rule report)."""
 
 from pathlib import Path
 
 from qdiff import jobs
 from qdiff.core.io import read_json
 from qdiff.core.labels import Combination
-from qdiff.report import failed_report, write_report
+from qdiff.core.stages import RUN, STAGES
+from qdiff.report import ReportFiles, Results, failed_report, write_report
 
-out = snakemake.output
+i, out = snakemake.input, snakemake.output
 
 
-def body(job: jobs.Job) -> None:
-    records = [read_json(Path(p)) for p in snakemake.input.records]
-    write_report(
-        records=records,
-        pairs=[pair for f in snakemake.input.pairs for pair in read_json(Path(f))["pairs"]],
-        forced=[read_json(Path(p)) for p in snakemake.input.forced],
-        # None when capture is off (config.capture.enabled): the report says so
-        localised=[read_json(Path(p)) for p in snakemake.input.localised] or None,
-        # None when the exact reference is off (config.exact.enabled)
-        exact=[read_json(Path(p)) for p in snakemake.input.exact] or None,
-        against_reference_model=[read_json(Path(p)) for p in snakemake.input.reference_model],
-        summary_path=job.out(out.summary),
-        pairs_tsv=job.out(out.pairs),
-        runs_tsv=job.out(out.runs),
-        html_path=job.out(out.html),
-        plot_dir=job.out(out.plots),
-        plot_href=Path(out.plots).name,
-        writeup_claims=snakemake.params.writeup_claims,
-        workers=snakemake.threads,
-        reference=snakemake.params.reference,
+def read_all(paths: list[str]) -> list[dict]:
+    return [read_json(Path(p)) for p in paths]
+
+
+def results() -> Results:
+    """Every enabled stage's records (their inputs are named <stage>_records), and the
+    per-model results; a part that is off has no files, and the report says so."""
+    records = {s.name: read_all(i[f"{s.name}_records"]) for s in STAGES.values()}
+    return Results(
+        records={name: rows for name, rows in records.items() if rows},
+        pairs=[pair for f in i.pairs for pair in read_json(Path(f))["pairs"]],
+        localised=read_all(i.localised) or None,  # None: capture is off
+        exact=read_all(i.exact) or None,  # None: the exact reference is off
+        against_reference_model=read_all(i.reference_model),
         # none with first_step_logits: top_k: the report says what it cannot draw
         logits={
             Combination.from_record(r): Path(p)
-            for r, p in zip(records, snakemake.input.logits, strict=True)
+            for r, p in zip(records[RUN.name], i.logits, strict=True)
         }
-        if snakemake.input.logits
+        if i.logits
         else {},
+    )
+
+
+def body(job: jobs.Job) -> None:
+    files = ReportFiles(
+        summary=job.out(out.summary),
+        html=job.out(out.html),
+        pairs_tsv=job.out(out.pairs),
+        runs_tsv=job.out(out.runs),
+        plot_dir=job.out(out.plots),
+        plot_href=Path(out.plots).name,
+    )
+    write_report(
+        results(),
+        files,
+        reference=snakemake.params.reference,
+        writeup_claims=snakemake.params.writeup_claims,
+        workers=snakemake.threads,
     )
 
 

@@ -36,11 +36,12 @@ while watched.is_running():
 
 def main(workdir: Path, model: str, device: str, dequant: str, times: int) -> None:
     os.chdir(workdir)  # the config's model paths are relative to it
-    from qdiff import engine
     from qdiff.config import model_file, validate
-    from qdiff.engine.model import LoadedModel
     from qdiff.settings import DeviceSettings
     from qdiff.stages import RUN
+
+    from qdiff import engine
+    from qdiff.engine.model import LoadedModel
 
     experiment, _ = validate(yaml.safe_load(Path("config/config.yaml").read_text()), Path.cwd())
     (combo,) = [

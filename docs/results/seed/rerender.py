@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from qdiff.io import read_json
+
 from qdiff.report import write_report
 
 

@@ -68,24 +68,24 @@ def distance(
         emulated = logit_metrics(exact["first_logits_cpu_roundings"], logits.astype(np.float64))
         row["first_step_vs_cpu_roundings"] = {"max_abs": float(emulated["max_abs"].max())}
     if forced is not None:
-        forced_record, arrays = forced
-        if forced_record["status"] != "ok":
-            row["forced"] = {"status": "n/a", "reason": failure_text(forced_record)}
-        else:
-            result = compare_forced(exact, arrays, exact_prompts)
-            row["forced"] = (
-                result
-                if result["status"] != "ok"
-                else {
-                    "status": "ok",
-                    "n_positions": result["n_positions"],
-                    "max_abs": result["max_abs"],
-                    "max_abs_median": result["max_abs_median"],
-                    "kl_mean": result["kl_mean"],
-                    "top1_agree": result["top1_agree"],
-                }
-            )
+        row["forced"] = _along_the_text(exact, exact_prompts, *forced)
     return row
+
+
+def _along_the_text(
+    exact: dict[str, np.ndarray],
+    exact_prompts: list[str],
+    record: dict[str, Any],
+    arrays: dict[str, np.ndarray],
+) -> dict[str, Any]:
+    """A combination's forced pass against exact, at every forced position."""
+    if record["status"] != "ok":
+        return {"status": "n/a", "reason": failure_text(record)}
+    result = compare_forced(exact, arrays, exact_prompts)
+    if result["status"] != "ok":
+        return result
+    kept = ("n_positions", "max_abs", "max_abs_median", "kl_mean", "top1_agree")
+    return {"status": "ok", **{k: result[k] for k in kept}}
 
 
 def _first_steps_from_forced(

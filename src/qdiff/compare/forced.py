@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.compare.metrics import median, percentile
+from qdiff.compare.metrics import PairStats, median, metric_values, percentile
 
 TIE_FACTOR = 2.0
 MIN_SCALE_POSITIONS = 10
@@ -119,19 +119,22 @@ def first_step_metrics(
     def prob(side: dict[str, np.ndarray], p: int, token: int) -> float:
         return float(np.exp(_logit_of(side, p, 0, token) - side["lse"][p, 0]))
 
-    return {
-        "max_abs": float(np.abs(delta).max(initial=0.0)),
-        "mean_abs": float(np.abs(delta).mean()) if delta.size else 0.0,
-        "rms": float(np.sqrt(squares / max(delta.size, 1))),
-        "nmse": squares / max(float(np.dot(xa, xa)), float(np.finfo(float).tiny)),
-        "kl": 0.0 if identical else float(_kl(at_a, at_b)),
-        "kl_ba": 0.0 if identical else float(_kl(at_b, at_a)),
-        "dp_top": prob(b, pb, top_a) - prob(a, pa, top_a),
-        "dp_top_ba": prob(a, pa, top_b) - prob(b, pb, top_b),
-        "top1_margin_a": float(a["top_logits"][pa, 0, 0] - a["top_logits"][pa, 0, 1]),
-        "top1_agree": top_a == top_b,
-        "bit_identical": identical,
-    }
+    return metric_values(
+        PairStats(
+            n=int(delta.size),
+            squares=squares,
+            abs_sum=float(np.abs(delta).sum()),
+            max_abs=float(np.abs(delta).max(initial=0.0)),
+            sq_norm_a=float(np.dot(xa, xa)),
+            kl=float(_kl(at_a, at_b)),
+            kl_ba=float(_kl(at_b, at_a)),
+            dp_top=prob(b, pb, top_a) - prob(a, pa, top_a),
+            dp_top_ba=prob(a, pa, top_b) - prob(b, pb, top_b),
+            margin_a=float(a["top_logits"][pa, 0, 0] - a["top_logits"][pa, 0, 1]),
+            top1_agree=top_a == top_b,
+            identical=identical,
+        )
+    )
 
 
 def _preference(side: dict[str, np.ndarray], p: int, t: int, other: int) -> tuple[float, bool]:
@@ -170,10 +173,56 @@ def compare_forced(
     differing = valid & ~identical
     typical = median(max_abs[differing]) if differing.any() else 0.0
     scale_known = int(differing.sum()) >= MIN_SCALE_POSITIONS
-    threshold = TIE_FACTOR * typical
+    forks = _forks(a, b, prompt_ids, valid & ~agree, TIE_FACTOR * typical, scale_known)
+    return {
+        "status": "ok",
+        "top_k": int(a["slice_ids"].shape[-1]),
+        **_summary(max_abs[valid], kl[valid], identical[valid], agree[valid]),
+        "max_abs_median_differing": typical,
+        "n_differing": int(differing.sum()),
+        "tie_threshold": TIE_FACTOR * typical,
+        "near_ties": sum(f.kind == "near tie" for f in forks),
+        "red_flags": sum(f.kind == "red flag" for f in forks),
+        "undetermined": sum(f.kind == "undetermined" for f in forks),
+        "forks": [f.__dict__ for f in forks],
+        "per_position": _per_position(valid, max_abs, kl, agree),
+        "per_prompt_max_abs": {
+            prompt_ids[p]: [float(x) for x in max_abs[p, : lengths[p]]]
+            for p in range(len(prompt_ids))
+        },
+    }
 
+
+def _summary(
+    max_abs: np.ndarray, kl: np.ndarray, identical: np.ndarray, agree: np.ndarray
+) -> dict[str, Any]:
+    """The pair's figures over every compared position."""
+    n = int(max_abs.size)
+    return {
+        "n_positions": n,
+        "bit_identical": int(identical.sum()),
+        "top1_agree": int(agree.sum()),
+        "max_abs": float(max_abs.max(initial=0.0)),
+        "max_abs_median": median(max_abs) if n else 0.0,
+        "max_abs_p90": percentile(max_abs, 90) if n else 0.0,
+        "kl_mean": float(kl.mean()) if n else 0.0,
+        "kl_median": median(kl) if n else 0.0,
+        "kl_p99": percentile(kl, 99) if n else 0.0,
+        "kl_max": float(kl.max(initial=0.0)),
+    }
+
+
+def _forks(
+    a: dict[str, np.ndarray],
+    b: dict[str, np.ndarray],
+    prompt_ids: list[str],
+    forked: np.ndarray,
+    threshold: float,
+    scale_known: bool,
+) -> list[Fork]:
+    """Every position where the top-1 tokens differ, with its margin and its kind."""
     forks = []
-    for p, t in zip(*np.nonzero(valid & ~agree), strict=True):
+    for p, t in zip(*np.nonzero(forked), strict=True):
         ta_id, tb_id = int(a["top_ids"][p, t, 0]), int(b["top_ids"][p, t, 0])
         ma, exact_a = _preference(a, p, t, tb_id)
         mb, exact_b = _preference(b, p, t, ta_id)
@@ -184,56 +233,26 @@ def compare_forced(
             kind = "near tie"
         else:
             kind = "undetermined"
-        forks.append(
-            Fork(
-                prompt=prompt_ids[p],
-                position=int(t),
-                token_a=ta_id,
-                token_b=tb_id,
-                margin=margin,
-                margin_exact=exact,
-                kind=kind,
-            )
-        )
-    n_positions = int(valid.sum())
-    per_position = []
-    for t in range(a["tokens"].shape[1]):
-        rows = valid[:, t]
-        if rows.any():
-            per_position.append(
+        forks.append(Fork(prompt_ids[p], int(t), ta_id, tb_id, margin, exact, kind))
+    return forks
+
+
+def _per_position(
+    valid: np.ndarray, max_abs: np.ndarray, kl: np.ndarray, agree: np.ndarray
+) -> list[dict[str, Any]]:
+    """Each generated position's figures over the prompts that reach it."""
+    rows = []
+    for t in range(valid.shape[1]):
+        at = valid[:, t]
+        if at.any():
+            rows.append(
                 {
                     "position": t,
-                    "prompts": int(rows.sum()),
-                    "max_abs_median": median(max_abs[rows, t]),
-                    "max_abs_max": float(max_abs[rows, t].max()),
-                    "kl_mean": float(kl[rows, t].mean()),
-                    "top1_agree": int(agree[rows, t].sum()),
+                    "prompts": int(at.sum()),
+                    "max_abs_median": median(max_abs[at, t]),
+                    "max_abs_max": float(max_abs[at, t].max()),
+                    "kl_mean": float(kl[at, t].mean()),
+                    "top1_agree": int(agree[at, t].sum()),
                 }
             )
-    kl_valid = kl[valid]
-    return {
-        "status": "ok",
-        "n_positions": n_positions,
-        "top_k": int(a["slice_ids"].shape[-1]),
-        "bit_identical": int(identical[valid].sum()),
-        "top1_agree": int(agree[valid].sum()),
-        "max_abs": float(max_abs[valid].max(initial=0.0)),
-        "max_abs_median": median(max_abs[valid]) if n_positions else 0.0,
-        "max_abs_median_differing": typical,
-        "max_abs_p90": percentile(max_abs[valid], 90) if n_positions else 0.0,
-        "kl_mean": float(kl_valid.mean()) if n_positions else 0.0,
-        "kl_median": median(kl_valid) if n_positions else 0.0,
-        "kl_p99": percentile(kl_valid, 99) if n_positions else 0.0,
-        "kl_max": float(kl_valid.max(initial=0.0)),
-        "n_differing": int(differing.sum()),
-        "tie_threshold": threshold,
-        "near_ties": sum(f.kind == "near tie" for f in forks),
-        "red_flags": sum(f.kind == "red flag" for f in forks),
-        "undetermined": sum(f.kind == "undetermined" for f in forks),
-        "forks": [f.__dict__ for f in forks],
-        "per_position": per_position,
-        "per_prompt_max_abs": {
-            prompt_ids[p]: [float(x) for x in max_abs[p, : lengths[p]]]
-            for p in range(len(prompt_ids))
-        },
-    }
+    return rows

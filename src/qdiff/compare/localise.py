@@ -273,16 +273,9 @@ def localise_model(
         for r, _ in captures
         if r["status"] != "ok"
     }
-    chosen = choose_pairs(pairs, [Pair.parse(model, a, b) for a, b in configured])
-    data: dict[Combination, dict[str, np.ndarray]] = {}
-
-    def arrays(combo: Combination) -> dict[str, np.ndarray]:
-        if combo not in data:  # each capture file is read once
-            data[combo] = load_arrays(ok[combo][1])
-        return data[combo]
-
+    captured = _Captures(ok)
     results = []
-    for pair, why in chosen:
+    for pair, why in choose_pairs(pairs, [Pair.parse(model, a, b) for a, b in configured]):
         entry: dict[str, Any] = {"a": pair.a.label, "b": pair.b.label, "why": why}
         missing = [c for c in (pair.a, pair.b) if c not in ok]
         if missing:
@@ -291,31 +284,49 @@ def localise_model(
                 f"{c.label}: {failed[c.label]['reason'] if c.label in failed else 'not captured'}"
                 for c in missing
             )
-            results.append(entry)
-            continue
-        floor = floor_pair(pair)
-        if floor and not (floor.a in ok and floor.b in ok):
-            floor = None
-        entry.update(status="ok", floor=list(floor.labels) if floor else None, prompts=[])
-        rec_a, rec_b = ok[pair.a][0], ok[pair.b][0]
-        for i, (pa, pb) in enumerate(zip(rec_a["prompts"], rec_b["prompts"], strict=False)):
-            rows = tensor_rows(pa["tensors"], arrays(pair.a), pb["tensors"], arrays(pair.b))
-            floor_rows = None
-            if floor:
-                fa, fb = ok[floor.a][0]["prompts"][i], ok[floor.b][0]["prompts"][i]
-                floor_rows = tensor_rows(
-                    fa["tensors"], arrays(floor.a), fb["tensors"], arrays(floor.b)
-                )
-            entry["prompts"].append(
-                {
-                    "prompt": pa["id"],
-                    "capture_changed_logits": [
-                        c.label
-                        for c, p in ((pair.a, pa), (pair.b, pb))
-                        if not p["logits_identical_with_capture"]
-                    ],
-                    **localise(rows, floor_rows),
-                }
-            )
+        else:
+            entry.update(captured.localise(pair))
         results.append(entry)
     return {"model": model, "floor_factor": FLOOR_FACTOR, "pairs": results, "not_captured": failed}
+
+
+class _Captures:
+    """A model's ok captures, each file read once, however many pairs it is in."""
+
+    def __init__(self, ok: dict[Combination, tuple[dict[str, Any], Path]]) -> None:
+        self.ok = ok
+        self.data: dict[Combination, dict[str, np.ndarray]] = {}
+
+    def arrays(self, combo: Combination) -> dict[str, np.ndarray]:
+        if combo not in self.data:
+            self.data[combo] = load_arrays(self.ok[combo][1])
+        return self.data[combo]
+
+    def rows(self, pair: Pair, i: int) -> list[dict[str, Any]]:
+        """Prompt ``i``'s tensors of the pair, compared (``tensor_rows``)."""
+        pa, pb = (self.ok[c][0]["prompts"][i] for c in (pair.a, pair.b))
+        return tensor_rows(pa["tensors"], self.arrays(pair.a), pb["tensors"], self.arrays(pair.b))
+
+    def localise(self, pair: Pair) -> dict[str, Any]:
+        """The pair on every prompt both captured, against its floor pair where both of
+        that ran."""
+        floor = floor_pair(pair)
+        if floor and not (floor.a in self.ok and floor.b in self.ok):
+            floor = None
+        prompts = []
+        rec_a, rec_b = self.ok[pair.a][0], self.ok[pair.b][0]
+        for i, (pa, pb) in enumerate(zip(rec_a["prompts"], rec_b["prompts"], strict=False)):
+            changed = [
+                c.label
+                for c, p in ((pair.a, pa), (pair.b, pb))
+                if not p["logits_identical_with_capture"]
+            ]
+            floor_rows = self.rows(floor, i) if floor else None
+            prompts.append(
+                {
+                    "prompt": pa["id"],
+                    "capture_changed_logits": changed,
+                    **localise(self.rows(pair, i), floor_rows),
+                }
+            )
+        return {"status": "ok", "floor": list(floor.labels) if floor else None, "prompts": prompts}

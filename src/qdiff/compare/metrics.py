@@ -72,10 +72,31 @@ STATISTICS: dict[str, Callable[[np.ndarray], float]] = {
 
 
 @dataclass(frozen=True)
+class PairStats:
+    """What one comparison of two logit vectors gathers (a the reference), from which every
+    PAIR_METRIC is computed: over the full vocabulary (``compare_rows``) or over a teacher-
+    forced slice (qdiff.compare.forced.first_step_metrics)."""
+
+    n: int  # logits compared
+    squares: float  # Σ(b − a)²
+    abs_sum: float  # Σ|b − a|
+    max_abs: float
+    sq_norm_a: float  # Σa²
+    kl: float  # KL(a‖b) of the softmaxes
+    kl_ba: float
+    dp_top: float  # p_b − p_a of a's top token
+    dp_top_ba: float  # p_a − p_b of b's top token
+    margin_a: float  # a's top-1 minus top-2 logit
+    top1_agree: bool
+    identical: bool  # bit for bit
+
+
+@dataclass(frozen=True)
 class PairMetric:
     key: str  # per-prompt field of a comparison
     header: str  # its name in tables
     note: str  # one sentence for the report's legend
+    value: Callable[[PairStats], float | bool]  # from a comparison's stats
     summaries: tuple[str, ...] = ()  # STATISTICS over prompts, stored as "<key>_<stat>"
     shown: tuple[str, ...] = ()  # which of them the pairs table shows
     flag: bool = False  # a yes/no per prompt, summarised as a count
@@ -89,30 +110,69 @@ class PairMetric:
 
 PAIR_METRICS: tuple[PairMetric, ...] = (
     PairMetric(
-        "max_abs", "max \\|Δ\\|", "largest |b − a| of any logit", ("max", "median", "p90"), ("max",)
+        "max_abs",
+        "max \\|Δ\\|",
+        "largest |b − a| of any logit",
+        lambda s: s.max_abs,
+        ("max", "median", "p90"),
+        ("max",),
     ),
     PairMetric(
-        "mean_abs", "mean \\|Δ\\|", "mean |b − a| over the tokens compared", ("mean",), ("mean",)
+        "mean_abs",
+        "mean \\|Δ\\|",
+        "mean |b − a| over the tokens compared",
+        lambda s: s.abs_sum / max(s.n, 1),
+        ("mean",),
+        ("mean",),
     ),
-    PairMetric("rms", "RMS", "root mean square of b − a", ("rms",), ("rms",)),
     PairMetric(
-        "nmse", "NMSE", "Σ(b−a)²/Σa², as llama.cpp's test-backend-ops", ("mean",), ("mean",)
+        "rms",
+        "RMS",
+        "root mean square of b − a",
+        lambda s: math.sqrt(s.squares / max(s.n, 1)),
+        ("rms",),
+        ("rms",),
+    ),
+    PairMetric(
+        "nmse",
+        "NMSE",
+        "Σ(b−a)²/Σa², as llama.cpp's test-backend-ops",
+        lambda s: s.squares / max(s.sq_norm_a, float(np.finfo(float).tiny)),
+        ("mean",),
+        ("mean",),
     ),
     PairMetric(
         "kl",
         "KL",
         "KL(softmax a ‖ softmax b), as llama-perplexity",
+        # identical inputs are 0 exactly, whatever the rounding of the sums
+        lambda s: 0.0 if s.identical else max(s.kl, 0.0),
         ("mean", "max", "median", "p99"),
         ("mean", "max"),
     ),
-    PairMetric("kl_ba", "KL(b‖a)", "KL with b as the reference", ("mean",)),
-    PairMetric("dp_top", "Δp", "change of the probability of a's top token", ("rms",)),
-    PairMetric("dp_top_ba", "Δp(b)", "change of the probability of b's top token", ("rms",)),
-    PairMetric("top1_margin_a", "margin", "a's top-1 minus top-2 logit"),
+    PairMetric(
+        "kl_ba",
+        "KL(b‖a)",
+        "KL with b as the reference",
+        lambda s: 0.0 if s.identical else max(s.kl_ba, 0.0),
+        ("mean",),
+    ),
+    PairMetric(
+        "dp_top", "Δp", "change of the probability of a's top token", lambda s: s.dp_top, ("rms",)
+    ),
+    PairMetric(
+        "dp_top_ba",
+        "Δp(b)",
+        "change of the probability of b's top token",
+        lambda s: s.dp_top_ba,
+        ("rms",),
+    ),
+    PairMetric("top1_margin_a", "margin", "a's top-1 minus top-2 logit", lambda s: s.margin_a),
     PairMetric(
         "top1_agree",
         "top-1",
         "prompts whose first greedy token agrees",
+        lambda s: s.top1_agree,
         ("count",),
         ("count",),
         flag=True,
@@ -121,12 +181,18 @@ PAIR_METRICS: tuple[PairMetric, ...] = (
         "bit_identical",
         "bit-identical",
         "prompts whose logits are bit for bit equal",
+        lambda s: s.identical,
         ("count",),
         ("count",),
         flag=True,
     ),
 )
 METRICS = {m.key: m for m in PAIR_METRICS}
+
+
+def metric_values(stats: PairStats) -> dict[str, Any]:
+    """Every PAIR_METRIC of one comparison."""
+    return {m.key: m.value(stats) for m in PAIR_METRICS}
 
 
 BLOCK = 16_384  # tokens per block of the sweep: the rows' blocks and weights stay in cache
@@ -146,81 +212,93 @@ def compare_rows(
 ) -> list[dict[str, Any]]:
     """Every PAIR_METRIC of one prompt for each pair ``(i, j)`` of ``rows`` (its logits in
     several runs, as stored: float32 from llama.cpp, float64 for exact references), with
-    ``rows[i]`` the reference; the rows have one shape (``check_comparable``).
+    ``rows[i]`` the reference; the rows have one shape (``check_comparable``)."""
+    sweep = _Sweep(rows, pairs)
+    return [metric_values(sweep.stats(m, i, j)) for m, (i, j) in enumerate(pairs)]
 
-    One sweep over the vocabulary in blocks: each row's block is read, converted to float64
-    and turned into softmax weights once for all the pairs it is in, while it is in the
-    CPU's cache (whole-vocabulary passes were bound by memory bandwidth). Every metric reads
-    delta = b - a, exact in float64 for float32 logits: |delta| for max, mean, RMS and NMSE,
-    and the weighted sums of delta for both KL divergences, since
+
+class _Sweep:
+    """One sweep over the vocabulary in blocks: each row's block is read, converted to
+    float64 and turned into softmax weights once for all the pairs it is in, while it is in
+    the CPU's cache (whole-vocabulary passes were bound by memory bandwidth). Every metric
+    reads delta = b - a, exact in float64 for float32 logits: |delta| for max, mean, RMS
+    and NMSE, and the weighted sums of delta for both KL divergences, since
     log p_a - log p_b = (lse_b - lse_a) - delta."""
-    n, size = len(rows), rows[0].shape[0]
-    tops = [int(row.argmax()) for row in rows]  # the greedy token: lowest id among ties
-    peaks = np.array([float(row[top]) for row, top in zip(rows, tops, strict=True)])
-    seconds = [
-        max((float(part.max()) for part in (row[:top], row[top + 1 :]) if part.size), default=peak)
-        for row, top, peak in zip(rows, tops, peaks, strict=True)
-    ]
-    width = min(BLOCK, size)
-    blocks = np.empty((n, width))  # the rows' block in float64, converted once for all pairs
-    weights = np.empty((n, width))  # exp(logits - peak): the softmax times `totals`
-    delta = np.empty(width)
-    totals, sq_norms = np.zeros(n), np.zeros(n)  # sq_norm: sum of logits^2, NMSE's denominator
-    # per pair: sum delta^2, the a-weighted and b-weighted sums of delta, sum |delta| (Python
-    # floats: cheaper to add to than an array's items); and max |delta| of each block
-    sums = [[0.0] * 4 for _ in pairs]
-    maxima: list[list[float]] = [[] for _ in pairs]
-    for start in range(0, size, width):
-        stop = min(start + width, size)
-        x, w, d = blocks[:, : stop - start], weights[:, : stop - start], delta[: stop - start]
-        for i, row in enumerate(rows):
-            np.copyto(x[i], row[start:stop])
-            sq_norms[i] += np.dot(x[i], x[i])
-            np.subtract(x[i], peaks[i], out=w[i])
-            np.exp(w[i], out=w[i])
-            totals[i] += w[i].sum()
-        for m, (i, j) in enumerate(pairs):
-            np.subtract(x[j], x[i], out=d)
-            total = sums[m]
-            total[0] += np.dot(d, d)
-            total[1] += np.dot(w[i], d)
-            total[2] += np.dot(w[j], d)
-            np.abs(d, out=d)
-            maxima[m].append(float(d.max()))
-            total[3] += d.sum()
-    lse = peaks + np.log(totals)  # log p = logits - lse
 
-    def p(k: int, token: int) -> float:  # run k's probability of a token
-        return float(np.exp(np.float64(rows[k][token]) - peaks[k])) / float(totals[k])
-
-    results = []
-    for m, (i, j) in enumerate(pairs):
-        squares, weighted_a, weighted_b, abs_sum = (float(x) for x in sums[m])
-        max_abs = float(np.max(maxima[m]))  # NaN if any logit is
-        identical = max_abs == 0.0 or (
-            not np.isfinite(max_abs) and np.array_equal(rows[i], rows[j])
+    def __init__(self, rows: Sequence[np.ndarray], pairs: Sequence[tuple[int, int]]) -> None:
+        self.rows, self.size = rows, rows[0].shape[0]
+        self.tops = [int(row.argmax()) for row in rows]  # greedy: the lowest id among ties
+        self.peaks = np.array([float(row[t]) for row, t in zip(rows, self.tops, strict=True)])
+        self.seconds = [
+            max((float(part.max()) for part in (row[:t], row[t + 1 :]) if part.size), default=peak)
+            for row, t, peak in zip(rows, self.tops, self.peaks, strict=True)
+        ]
+        self.totals, self.sq_norms = np.zeros(len(rows)), np.zeros(len(rows))
+        # per pair: Σ delta², the a- and b-weighted Σ delta, Σ|delta| (Python floats: cheaper
+        # to add to than an array's items); and max |delta| of each block
+        self.sums = [[0.0] * 4 for _ in pairs]
+        self.maxima: list[list[float]] = [[] for _ in pairs]
+        width = min(BLOCK, self.size)
+        blocks, weights, delta = (
+            np.empty((len(rows), width)),
+            np.empty((len(rows), width)),
+            np.empty(width),
         )
-        shift = float(lse[j] - lse[i])
-        kl = shift - weighted_a / float(totals[i])  # sum p_a (log p_a - log p_b)
-        kl_ba = weighted_b / float(totals[j]) - shift  # sum p_b (log p_b - log p_a)
-        values = {
-            "max_abs": max_abs,
-            "mean_abs": abs_sum / size,
-            "rms": float(np.sqrt(squares / size)),
-            "nmse": squares / max(float(sq_norms[i]), float(np.finfo(float).tiny)),
-            # identical inputs are 0 exactly, whatever the rounding of the sums above
-            "kl": 0.0 if identical else max(kl, 0.0),
-            "kl_ba": 0.0 if identical else max(kl_ba, 0.0),
+        for start in range(0, self.size, width):
+            stop = min(start + width, self.size)
+            x, w, d = blocks[:, : stop - start], weights[:, : stop - start], delta[: stop - start]
+            self._block(start, stop, x, w)
+            for m, (i, j) in enumerate(pairs):
+                self._pair_block(m, x[i], x[j], w[i], w[j], d)
+        self.lse = self.peaks + np.log(self.totals)  # log p = logits - lse
+
+    def _block(self, start: int, stop: int, x: np.ndarray, w: np.ndarray) -> None:
+        """Every row's block in float64 (x), and its weights exp(logits - peak) (w)."""
+        for i, row in enumerate(self.rows):
+            np.copyto(x[i], row[start:stop])
+            self.sq_norms[i] += np.dot(x[i], x[i])
+            np.subtract(x[i], self.peaks[i], out=w[i])
+            np.exp(w[i], out=w[i])
+            self.totals[i] += w[i].sum()
+
+    def _pair_block(
+        self, m: int, xa: np.ndarray, xb: np.ndarray, wa: np.ndarray, wb: np.ndarray, d: np.ndarray
+    ) -> None:
+        np.subtract(xb, xa, out=d)
+        total = self.sums[m]
+        total[0] += np.dot(d, d)
+        total[1] += np.dot(wa, d)
+        total[2] += np.dot(wb, d)
+        np.abs(d, out=d)
+        self.maxima[m].append(float(d.max()))
+        total[3] += d.sum()
+
+    def p(self, k: int, token: int) -> float:
+        """Row k's probability of a token."""
+        return float(np.exp(np.float64(self.rows[k][token]) - self.peaks[k])) / float(
+            self.totals[k]
+        )
+
+    def stats(self, m: int, i: int, j: int) -> PairStats:
+        squares, weighted_a, weighted_b, abs_sum = (float(x) for x in self.sums[m])
+        max_abs = float(np.max(self.maxima[m]))  # NaN if any logit is
+        shift = float(self.lse[j] - self.lse[i])
+        return PairStats(
+            n=self.size,
+            squares=squares,
+            abs_sum=abs_sum,
+            max_abs=max_abs,
+            sq_norm_a=float(self.sq_norms[i]),
+            kl=shift - weighted_a / float(self.totals[i]),  # Σ p_a (log p_a - log p_b)
+            kl_ba=weighted_b / float(self.totals[j]) - shift,  # Σ p_b (log p_b - log p_a)
             # Δp as llama-perplexity reports it, for the reference's own top token (no corpus)
-            "dp_top": p(j, tops[i]) - p(i, tops[i]),
-            "dp_top_ba": p(i, tops[j]) - p(j, tops[j]),
-            "top1_margin_a": float(peaks[i]) - seconds[i],
-            "top1_agree": tops[i] == tops[j],
-            "bit_identical": bool(identical),
-        }
-        assert values.keys() == METRICS.keys(), "every PAIR_METRIC must be computed"
-        results.append(values)
-    return results
+            dp_top=self.p(j, self.tops[i]) - self.p(i, self.tops[i]),
+            dp_top_ba=self.p(i, self.tops[j]) - self.p(j, self.tops[j]),
+            margin_a=float(self.peaks[i]) - self.seconds[i],
+            top1_agree=self.tops[i] == self.tops[j],
+            identical=max_abs == 0.0
+            or (not np.isfinite(max_abs) and np.array_equal(self.rows[i], self.rows[j])),
+        )
 
 
 def logit_metrics(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:

@@ -367,21 +367,27 @@ def _compare_prompt(
         except Exception as exc:  # this pair fails, the others go on
             rows[pair] = exc
     for group in by_shape.values():
-        arrays: dict[int, np.ndarray] = {}  # id -> row: each row once in the sweep
-        for _, _, a, b in group:
-            arrays.setdefault(id(a), a)
-            arrays.setdefault(id(b), b)
-        index = {key: n for n, key in enumerate(arrays)}
-        try:
-            values = compare_rows(
-                list(arrays.values()), [(index[id(a)], index[id(b)]) for _, _, a, b in group]
-            )
-        except Exception as exc:  # the sweep's pairs fail, the others go on
-            for pair, *_ in group:
-                rows[pair] = exc
-            continue
-        for (pair, i, _, _), value in zip(group, values, strict=True):
-            rows[pair][i] = value
+        _sweep(group, rows)
+
+
+def _sweep(group: list[tuple[Pair, int, np.ndarray, np.ndarray]], rows: dict[Pair, Any]) -> None:
+    """One sweep (qdiff.compare.metrics.compare_rows) for the pairs of rows of one shape,
+    each row once; if it fails, its pairs fail and the others go on."""
+    arrays: dict[int, np.ndarray] = {}  # id -> row
+    for _, _, a, b in group:
+        arrays.setdefault(id(a), a)
+        arrays.setdefault(id(b), b)
+    index = {key: n for n, key in enumerate(arrays)}
+    try:
+        values = compare_rows(
+            list(arrays.values()), [(index[id(a)], index[id(b)]) for _, _, a, b in group]
+        )
+    except Exception as exc:
+        for pair, *_ in group:
+            rows[pair] = exc
+        return
+    for (pair, i, _, _), value in zip(group, values, strict=True):
+        rows[pair][i] = value
 
 
 def _assemble(pair: Pair, runs: dict[Combination, _Run], first: Any) -> PairResult:

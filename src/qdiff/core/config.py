@@ -313,36 +313,15 @@ def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, Model
         if problem := _name_problem("models", name):
             problems.append(problem)
             continue
-        for infix in (REQUANT_INFIX, DEQUANT_INFIX):
-            if infix in name:
-                problems.append(
-                    f"{key}: names containing {infix!r} are reserved for the models and "
-                    "copies qdiff derives (their files would collide)"
-                )
-        kinds = [k for k in SOURCE_KINDS if k in entry]
-        if len(kinds) != 1:
-            problems.append(
-                f"{key}: give exactly one source ({', '.join(SOURCE_KINDS)}), found "
-                + (", ".join(kinds) or "none")
-            )
+        problems += [
+            f"{key}: names containing {infix!r} are reserved for the models and copies qdiff "
+            "derives (their files would collide)"
+            for infix in (REQUANT_INFIX, DEQUANT_INFIX)
+            if infix in name
+        ]
+        source = _source(key, entry, problems)
+        if source is None:
             continue
-        kind = kinds[0]
-        source = {"kind": kind, kind: entry[kind]}
-        if "token_env" in entry:
-            if kind != "url":
-                problems.append(f"{key}.token_env: only `url` sources take a token_env")
-            if not secrets.ENV_NAME.fullmatch(entry["token_env"]):
-                problems.append(
-                    f"{key}.token_env: must be the name of the environment variable that holds "
-                    "the token (capital letters, digits and _, e.g. HF_TOKEN), not the token "
-                    "itself; the value given is not shown"
-                )
-            source["token_env"] = entry["token_env"]
-        if kind == "url":
-            if problem := url_problem(entry["url"]):
-                problems.append(f"{key}.url: {problem}")
-            if "sha256" not in entry:
-                problems.append(f"{key}: a `url` source needs sha256 (the file's SHA-256)")
         sha = entry.get("sha256", "").lower() or None
         template = entry.get("chat_template")
         specs[name] = ModelSpec(
@@ -357,15 +336,40 @@ def _model_specs(models: dict[str, Any], problems: list[str]) -> dict[str, Model
                 continue
             derived = f"{name}{REQUANT_INFIX}{quant}"
             specs[derived] = ModelSpec(
-                name=derived,
-                source=None,
-                sha256=None,
-                parent=name,
-                quant=quant,
-                chat_template=template,
+                derived, None, None, parent=name, quant=quant, chat_template=template
             )
     _file_collisions(specs, problems)
     return specs
+
+
+def _source(key: str, entry: dict[str, Any], problems: list[str]) -> dict[str, Any] | None:
+    """A model's one source, ``{"kind": kind, kind: value}`` (and a url's token_env), or
+    None when it names none or several."""
+    kinds = [k for k in SOURCE_KINDS if k in entry]
+    if len(kinds) != 1:
+        problems.append(
+            f"{key}: give exactly one source ({', '.join(SOURCE_KINDS)}), found "
+            + (", ".join(kinds) or "none")
+        )
+        return None
+    kind = kinds[0]
+    source = {"kind": kind, kind: entry[kind]}
+    if "token_env" in entry:
+        if kind != "url":
+            problems.append(f"{key}.token_env: only `url` sources take a token_env")
+        if not secrets.ENV_NAME.fullmatch(entry["token_env"]):
+            problems.append(
+                f"{key}.token_env: must be the name of the environment variable that holds "
+                "the token (capital letters, digits and _, e.g. HF_TOKEN), not the token "
+                "itself; the value given is not shown"
+            )
+        source["token_env"] = entry["token_env"]
+    if kind == "url":
+        if problem := url_problem(entry["url"]):
+            problems.append(f"{key}.url: {problem}")
+        if "sha256" not in entry:
+            problems.append(f"{key}: a `url` source needs sha256 (the file's SHA-256)")
+    return source
 
 
 def _file_collisions(specs: dict[str, ModelSpec], problems: list[str]) -> None:
@@ -514,32 +518,8 @@ def validate(
     prompts = _prompts(data["prompts"], Path(base_dir), problems)
     reference = _reference(data, devices, problems)
     _check_capture(data["capture"], devices, data["dequant"], prompts, problems)
-    if data.get("reference_model") is not None:
-        if data["reference_model"] not in models:
-            problems.append(
-                f"config.reference_model: {data['reference_model']!r} is not a configured model "
-                f"(models: {', '.join(models)})"
-            )
-        if reference is None:
-            problems.append(
-                "config.reference_model: needs `reference` (a combination, e.g. cpu.f32)"
-            )
-    if data["first_step_logits"] == "top_k":
-        if not data["teacher_forcing"]["enabled"]:
-            problems.append(
-                "config.first_step_logits: top_k keeps first steps in the teacher-forced pass, "
-                "so it needs teacher_forcing.enabled: true"
-            )
-        if data.get("reference_model") is not None:
-            problems.append(
-                "config.first_step_logits: top_k cannot measure against reference_model, "
-                "which compares two models' full first-step logits; use full"
-            )
-        if data["report"]["writeup_claims"]:
-            problems.append(
-                "config.first_step_logits: top_k cannot check report.writeup_claims, whose "
-                "bounds need the full vocabulary's max |Δ| (top_k gives a lower bound); use full"
-            )
+    _check_reference_model(data, models, reference, problems)
+    _check_first_step_logits(data, problems)
     if problems:
         raise ConfigError(problems)
     experiment = Experiment(
@@ -561,6 +541,41 @@ def validate(
         first_step_logits=data["first_step_logits"],
     )
     return experiment, data
+
+
+def _check_reference_model(
+    data: dict[str, Any], models: dict[str, ModelSpec], reference: str | None, problems: list[str]
+) -> None:
+    if data.get("reference_model") is None:
+        return
+    if data["reference_model"] not in models:
+        problems.append(
+            f"config.reference_model: {data['reference_model']!r} is not a configured model "
+            f"(models: {', '.join(models)})"
+        )
+    if reference is None:
+        problems.append("config.reference_model: needs `reference` (a combination, e.g. cpu.f32)")
+
+
+def _check_first_step_logits(data: dict[str, Any], problems: list[str]) -> None:
+    """``top_k`` keeps first steps in the forced pass, over a slice of the vocabulary."""
+    if data["first_step_logits"] != "top_k":
+        return
+    if not data["teacher_forcing"]["enabled"]:
+        problems.append(
+            "config.first_step_logits: top_k keeps first steps in the teacher-forced pass, "
+            "so it needs teacher_forcing.enabled: true"
+        )
+    if data.get("reference_model") is not None:
+        problems.append(
+            "config.first_step_logits: top_k cannot measure against reference_model, "
+            "which compares two models' full first-step logits; use full"
+        )
+    if data["report"]["writeup_claims"]:
+        problems.append(
+            "config.first_step_logits: top_k cannot check report.writeup_claims, whose "
+            "bounds need the full vocabulary's max |Δ| (top_k gives a lower bound); use full"
+        )
 
 
 def load_experiment(config: dict[str, Any], base_dir: Path | str = ".") -> Experiment:

@@ -160,28 +160,9 @@ def run_stage(
             if returncode != 0:
                 break
         if returncode == 0:
-            record = {**read_json(attempts[0] / RECORD_FILE), "run_token": token}
-            record["timings"] = {**record["timings"], **job_usage(started)}
-            if len(attempts) > 1:
-                record["determinism"] = determinism(attempts)
-            if data_path is not None:
-                os.replace(attempts[0] / stage.data_file, data_path)
-            write_json(record_path, record)
+            _keep(stage, attempts, record_path, data_path, token, started)
             return "ok"
-        last = attempts[-1]
-        handled = read_json(last / ERROR_FILE) if (last / ERROR_FILE).exists() else None
-        messages = (
-            (last / ERRORS_FILE).read_text().splitlines() if (last / ERRORS_FILE).exists() else []
-        )
-    outcome = jobs.child_outcome(returncode, handled, "the llama.cpp process", timeout_s)
-    log_text = log_path.read_text(errors="replace")
-    outcome["error_lines"] = failure_reason(messages, log_text)
-    # where the weights were when it failed: names the kernels in use (e.g. AMX)
-    outcome["model_buffers"] = parse_placement(log_text).model_buffers
-    outcome["log_tail"] = tail(log_text, 25)
-    outcome["log"] = str(log_path)
-    if outcome["kind"] in ("crash", "timeout") and outcome["error_lines"]:
-        outcome["message"] += f" ({outcome['error_lines'][-1]})"
+        outcome = _outcome(returncode, attempts[-1], log_path, timeout_s)
     status = "unavailable" if returncode == EXIT_UNAVAILABLE else "failed"
     with log_path.open("a") as log:
         print(
@@ -194,3 +175,42 @@ def run_stage(
             f"device {spec['device']!r}: {outcome['message']} (strict_devices is on)"
         )
     return _write_failure(stage, worker_spec, status, outcome, record_path, token)
+
+
+def _keep(
+    stage: Stage,
+    attempts: list[Path],
+    record_path: Path,
+    data_path: Path | None,
+    token: str | None,
+    started: float,
+) -> None:
+    """The first attempt's record, with the job's own measure of itself and, for repeated
+    runs, whether they were bit-identical; and its data file where the run keeps one."""
+    record = {**read_json(attempts[0] / RECORD_FILE), "run_token": token}
+    record["timings"] = {**record["timings"], **job_usage(started)}
+    if len(attempts) > 1:
+        record["determinism"] = determinism(attempts)
+    if data_path is not None:
+        os.replace(attempts[0] / stage.data_file, data_path)
+    write_json(record_path, record)
+
+
+def _outcome(
+    returncode: int | None, attempt: Path, log_path: Path, timeout_s: float
+) -> records.ErrorInfo:
+    """Why a worker's attempt failed, in llama.cpp's own words: its handled error, the
+    ERROR-level messages and abort lines, where the weights were (which names the kernels in
+    use, e.g. AMX) and the log's tail."""
+    handled = read_json(attempt / ERROR_FILE) if (attempt / ERROR_FILE).exists() else None
+    errors = attempt / ERRORS_FILE
+    messages = errors.read_text().splitlines() if errors.exists() else []
+    outcome = jobs.child_outcome(returncode, handled, "the llama.cpp process", timeout_s)
+    log_text = log_path.read_text(errors="replace")
+    outcome["error_lines"] = failure_reason(messages, log_text)
+    outcome["model_buffers"] = parse_placement(log_text).model_buffers
+    outcome["log_tail"] = tail(log_text, 25)
+    outcome["log"] = str(log_path)
+    if outcome["kind"] in ("crash", "timeout") and outcome["error_lines"]:
+        outcome["message"] += f" ({outcome['error_lines'][-1]})"
+    return outcome

@@ -267,15 +267,7 @@ def force(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
 
 def capture(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     """Tensor capture (qdiff.compare.localise): the named intermediate tensors of each capture
-    prompt's forward pass, read through llama.cpp's eval callback.
-
-    Per prompt: a plain pass (the logits to check against), a shapes-only pass over one more
-    token (so each tensor's token axis comes from the graph, qdiff.engine.capture), and the
-    captured pass. A difference between the plain and captured logits is recorded.
-
-    llama.cpp computes a prompt longer than the device's ``n_ubatch`` as several graphs; the
-    one captured is the last, which holds the last token (the earlier ones are decoded with
-    the capture idle, as the same ubatches)."""
+    prompt's forward pass, read through llama.cpp's eval callback (``_capture_prompt``)."""
     settings = spec["capture"]
     chosen = [p for p in spec["prompts"] if p["id"] in settings["prompts"]]
     capturer = TensorCapture(settings["tensors"])
@@ -283,59 +275,10 @@ def capture(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     prompts = []
     loaded, prov = _load(spec, log)
     with loaded:
-        # one token more than the prompt: the shapes-only pass below
+        # one token more than the prompt: the shapes-only pass
         fitting, skipped = _fitting(loaded, chosen, 1, spec["generation"]["chat_template"])
         for i, (prompt, tokens) in enumerate(fitting):
-            prompt_id = prompt["id"]
-            plain, plain_s = loaded.prefill(tokens)
-            loaded.set_eval_callback(capturer.callback)
-            last = loaded.last_ubatch(len(tokens))
-            prefix, tail = tokens[:-last], tokens[-last:]
-            # the shapes-only pass: one token more, or where the last ubatch is full, one less
-            grows = loaded.last_ubatch(len(tokens) + 1) == last + 1
-            probe = [*tail, tail[-1]] if grows else tail[:-1]
-            if probe:
-                _decode_idle(loaded, capturer, prefix)
-                capturer.probe(len(probe) - last)
-                loaded.extend(probe)
-            _decode_idle(loaded, capturer, prefix)
-            capturer.start(last, probed=bool(probe))
-            observed, captured_s = loaded.extend(tail)
-            loaded.set_eval_callback(None)
-            if capturer.error is not None:
-                raise capturer.error
-            tensors = []
-            for k, t in enumerate(capturer.tensors):
-                arrays[f"p{i}.t{k}"] = t.values
-                tensors.append(
-                    {
-                        "key": f"p{i}.t{k}",
-                        "name": t.name,
-                        "op": t.op,
-                        "type": t.type,
-                        "ne": t.ne,
-                        "weight": t.weight,
-                        "kept": t.kept,
-                    }
-                )
-            prompts.append(
-                {
-                    "id": prompt_id,
-                    "n_prompt_tokens": len(tokens),
-                    "n_captured_tokens": last,  # the last ubatch's (see above)
-                    "tensors": tensors,
-                    # capturing must not change what it observes
-                    "logits_identical_with_capture": bool(np.array_equal(plain, observed)),
-                    "logits_max_abs_with_capture": float(np.abs(plain - observed).max()),
-                    "prefill_ms": round(1000 * plain_s, 3),
-                    "prefill_ms_captured": round(1000 * captured_s, 3),
-                }
-            )
-            print(
-                f"[qdiff] captured {len(tensors)} tensors of prompt {prompt_id}",
-                file=sys.stderr,
-                flush=True,
-            )
+            prompts.append(_capture_prompt(loaded, capturer, prompt["id"], tokens, f"p{i}", arrays))
         load_s = loaded.load_seconds
     record = {
         **records.record_head(spec, "ok", CAPTURE.name),
@@ -346,6 +289,70 @@ def capture(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
         "provenance": prov,
     }
     return record, arrays
+
+
+def _capture_prompt(
+    loaded: LoadedModel,
+    capturer: TensorCapture,
+    prompt_id: str,
+    tokens: list[int],
+    prefix_key: str,
+    arrays: dict[str, np.ndarray],
+) -> dict[str, Any]:
+    """One prompt's capture: a plain pass (the logits to check against), a shapes-only pass
+    over one more token (so each tensor's token axis comes from the graph,
+    qdiff.engine.capture), and the captured pass; its tensors go into ``arrays`` under
+    ``<prefix_key>.t<k>``, and what happened into the returned row. A difference between the
+    plain and captured logits is recorded.
+
+    llama.cpp computes a prompt longer than the device's ``n_ubatch`` as several graphs; the
+    one captured is the last, which holds the last token (the earlier ones are decoded with
+    the capture idle, as the same ubatches)."""
+    plain, plain_s = loaded.prefill(tokens)
+    loaded.set_eval_callback(capturer.callback)
+    last = loaded.last_ubatch(len(tokens))
+    prefix, tail = tokens[:-last], tokens[-last:]
+    # the shapes-only pass: one token more, or where the last ubatch is full, one less
+    grows = loaded.last_ubatch(len(tokens) + 1) == last + 1
+    probe = [*tail, tail[-1]] if grows else tail[:-1]
+    if probe:
+        _decode_idle(loaded, capturer, prefix)
+        capturer.probe(len(probe) - last)
+        loaded.extend(probe)
+    _decode_idle(loaded, capturer, prefix)
+    capturer.start(last, probed=bool(probe))
+    observed, captured_s = loaded.extend(tail)
+    loaded.set_eval_callback(None)
+    if capturer.error is not None:
+        raise capturer.error
+    tensors = [
+        _kept_tensor(t, f"{prefix_key}.t{k}", arrays) for k, t in enumerate(capturer.tensors)
+    ]
+    print(
+        f"[qdiff] captured {len(tensors)} tensors of prompt {prompt_id}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "id": prompt_id,
+        "n_prompt_tokens": len(tokens),
+        "n_captured_tokens": last,  # the last ubatch's (see above)
+        "tensors": tensors,
+        # capturing must not change what it observes
+        "logits_identical_with_capture": bool(np.array_equal(plain, observed)),
+        "logits_max_abs_with_capture": float(np.abs(plain - observed).max()),
+        "prefill_ms": round(1000 * plain_s, 3),
+        "prefill_ms_captured": round(1000 * captured_s, 3),
+    }
+
+
+def _kept_tensor(t: Any, key: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """A captured tensor's values into ``arrays[key]``; what it is, for the record."""
+    arrays[key] = t.values
+    return {
+        "key": key,
+        **{f: getattr(t, f) for f in ("name", "op", "type", "ne", "weight", "kept")},
+    }
 
 
 def _decode_idle(loaded: LoadedModel, capturer: TensorCapture, tokens: list[int]) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.exact.architectures import UnsupportedArchitectureError
+from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError
 from qdiff.exact.model import ExactModel, gelu_fp16_table, gelu_tanh
 
 
@@ -52,21 +52,9 @@ def reference(
         exact.gelu, exact.f16_kv = gelu_fp16_table, True
         first_cpu[p] = exact.forward(tokens, slice(len(tokens) - 1, len(tokens)))[0]
         exact.gelu, exact.f16_kv = gelu_tanh, False
-    hp = exact.hp
     record = {
-        "architecture": hp.arch.name,
-        "hparams": {
-            "n_embd": hp.n_embd,
-            "n_layer": hp.n_layer,
-            "n_head": hp.n_head,
-            "n_head_kv": hp.n_head_kv,
-            "head_dim": hp.head_dim,
-            "n_vocab": hp.n_vocab,
-            "rope_base": hp.rope_base,
-            "rope_base_swa": hp.rope_base_swa,
-            "n_swa": hp.n_swa,
-            "swa_layers": list(hp.swa_layers),
-        },
+        "architecture": exact.hp.arch.name,
+        "hparams": hparams_record(exact.hp),
         "weight_types": exact.weights.types(),
         "prompt_ids": [p["id"] for p in prompts],
         "n_positions": int(recorder.arrays["lengths"].sum()),
@@ -82,6 +70,18 @@ def reference(
         **recorder.arrays,
         "first_logits": first,
         "first_logits_cpu_roundings": first_cpu,
+    }
+
+
+def hparams_record(hp: Hparams) -> dict[str, Any]:
+    """The hyperparameters a reference was computed with, as its record states them."""
+    fields = ("n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_vocab")
+    return {
+        **{f: getattr(hp, f) for f in fields},
+        "rope_base": hp.rope_base,
+        "rope_base_swa": hp.rope_base_swa,
+        "n_swa": hp.n_swa,
+        "swa_layers": list(hp.swa_layers),
     }
 
 
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
 
     spec = read_json(Path(argv[0]))
     out = Path(spec["record"]).parent
-    run = read_json(Path(spec["teacher_run"]))
+    run = spec["teacher_run"]
     slices = load_arrays(Path(spec["teacher_data"]))["slice_ids"] if spec["teacher_data"] else None
     try:
         record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"])

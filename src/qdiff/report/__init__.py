@@ -13,12 +13,12 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from qdiff.core.io import write_text
-from qdiff.core.labels import Combination
 from qdiff.jobs import child_preexec
 from qdiff.judge.diagnosis import plural
 from qdiff.report.fmt import code, text
@@ -34,7 +34,9 @@ from qdiff.report.sections import (
     runs,
 )
 from qdiff.report.tables import pairs_frame, runs_frame
-from qdiff.report.view import ModelView, split_by_model
+from qdiff.report.view import ModelView, Results, split_by_model
+
+__all__ = ["ModelView", "ReportFiles", "Results", "failed_report", "render", "write_report"]
 
 TITLE = "# qdiff report: why the same GGUF gives different text on different devices"
 PAGE_TITLE = TITLE.removeprefix("# ")
@@ -160,47 +162,36 @@ def render(
     return "\n".join(out)
 
 
+@dataclass(frozen=True)
+class ReportFiles:
+    """Where the report goes: the summary, its page, the tables and the plots folder
+    (linked from the summary as ``plot_href``)."""
+
+    summary: Path
+    html: Path
+    pairs_tsv: Path
+    runs_tsv: Path
+    plot_dir: Path
+    plot_href: str = "plots"
+
+
 def write_report(
-    records: list[dict[str, Any]],
-    pairs: list[dict[str, Any]],
-    summary_path: Path,
-    pairs_tsv: Path,
-    runs_tsv: Path,
-    plot_dir: Path,
+    results: Results,
+    files: ReportFiles,
     reference: str | None = None,
-    logits: dict[Combination, Path] | None = None,
-    forced: list[dict[str, Any]] | None = None,
-    localised: list[dict[str, Any]] | None = None,
-    exact: list[dict[str, Any]] | None = None,
-    against_reference_model: list[dict[str, Any]] | None = None,
-    plot_href: str | None = None,
     writeup_claims: bool = False,
-    html_path: Path | None = None,
     workers: int = 1,
 ) -> None:
-    """Write the summary, the tables and the plots (into ``plot_dir``, linked from the
-    summary as ``plot_href``, by default the folder's own name), and the summary as a
-    self-contained page at ``html_path``; ``workers``: processes that render models."""
-    write_text(pairs_tsv, pairs_frame(pairs).to_csv(sep="\t", index=False))
-    write_text(runs_tsv, runs_frame(records).to_csv(sep="\t", index=False))
-    plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even with nothing to plot
-    plot_href = plot_href or plot_dir.name
-    views = split_by_model(
-        records,
-        pairs,
-        forced or [],
-        localised,
-        exact,
-        against_reference_model or [],
-        reference,
-        logits or {},
-        plot_dir,
-        plot_href,
-    )
-    summary = render(views, records, writeup_claims, workers)
-    write_text(summary_path, summary)
-    if html_path is not None:
-        write_text(html_path, markdown_to_html(summary, PAGE_TITLE, plot_dir, plot_href))
+    """Write the summary, the tables, the plots and the summary as a self-contained page;
+    ``workers``: processes that render models."""
+    write_text(files.pairs_tsv, pairs_frame(results.pairs).to_csv(sep="\t", index=False))
+    write_text(files.runs_tsv, runs_frame(results.runs).to_csv(sep="\t", index=False))
+    files.plot_dir.mkdir(parents=True, exist_ok=True)  # a declared output, even if empty
+    views = split_by_model(results, reference, files.plot_dir, files.plot_href)
+    summary = render(views, results.runs, writeup_claims, workers)
+    write_text(files.summary, summary)
+    page = markdown_to_html(summary, PAGE_TITLE, files.plot_dir, files.plot_href)
+    write_text(files.html, page)
 
 
 def failed_report(summary_path: Path, error: dict[str, Any], html_path: Path | None = None) -> None:

@@ -8,14 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from qdiff.core.labels import Combination, plot_name
+from qdiff.core.stages import FORCED, RUN
+
+Records = dict[str, list[dict[str, Any]]]  # every stage's records, by stage name
 
 
 @dataclass
 class ModelView:
     model: str
-    records: list[dict[str, Any]]  # run records, in matrix order
+    stages: Records  # every stage's records of this model, in matrix order (qdiff.core.stages)
     pairs: list[dict[str, Any]]
-    forced: list[dict[str, Any]] = field(default_factory=list)  # forced-pass records
     localised: dict[str, Any] | None = None  # None: capture is off
     exact: dict[str, Any] | None = None  # distance from exact (qdiff.compare.distance); None: off
     reference_model: dict[str, Any] | None = None  # against config.reference_model
@@ -24,6 +26,15 @@ class ModelView:
     logits: dict[Combination, Path] = field(default_factory=dict)
     plot_dir: Path | None = None  # where plots are written; None: no plots are drawn
     plot_href: str = "plots"  # the plots folder as the summary links it
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The runs: what most sections start from."""
+        return self.stages.get(RUN.name, [])
+
+    @property
+    def forced(self) -> list[dict[str, Any]]:
+        return self.stages.get(FORCED.name, [])
 
     @cached_property
     def ok(self) -> list[dict[str, Any]]:
@@ -80,35 +91,46 @@ class ModelView:
         return f"![{alt}]({self.plot_href}/{path.name})"
 
 
+@dataclass
+class Results:
+    """Everything the report renders, as the workflow's files hold it."""
+
+    records: Records  # every stage's records (qdiff.core.stages), by stage name
+    pairs: list[dict[str, Any]]  # every pair of every model (qdiff.compare.pairs)
+    localised: list[dict[str, Any]] | None = None  # per model; None: capture is off
+    exact: list[dict[str, Any]] | None = None  # distances from exact, per model; None: off
+    against_reference_model: list[dict[str, Any]] = field(default_factory=list)
+    logits: dict[Combination, Path] = field(default_factory=dict)  # runs' first steps, if kept
+
+    @property
+    def runs(self) -> list[dict[str, Any]]:
+        return self.records.get(RUN.name, [])
+
+
 def split_by_model(
-    records: list[dict[str, Any]],
-    pairs: list[dict[str, Any]],
-    forced: list[dict[str, Any]],
-    localised: list[dict[str, Any]] | None,
-    exact: list[dict[str, Any]] | None,
-    against: list[dict[str, Any]],
-    reference: str | None,
-    logits: dict[Combination, Path],
-    plot_dir: Path | None,
-    plot_href: str = "plots",
+    results: Results, reference: str | None, plot_dir: Path | None, plot_href: str = "plots"
 ) -> list[ModelView]:
-    models = list(dict.fromkeys(r["model"] for r in records))
-    by_model = {x["model"]: x for x in localised} if localised is not None else None
-    exact_by_model = {x["model"]: x for x in exact} if exact is not None else None
-    against_by_model = {x["model"]: x for x in against}
-    reference_models = {x["reference_model"] for x in against}
+    """One view per model that ran, in the order of the runs."""
+    models = list(dict.fromkeys(r["model"] for r in results.runs))
+
+    def of(model: str, rows: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        return next((x for x in rows or [] if x["model"] == model), None)
+
+    reference_models = {x["reference_model"] for x in results.against_reference_model}
     return [
         ModelView(
             model=m,
-            records=[r for r in records if r["model"] == m],
-            pairs=[p for p in pairs if p["model"] == m],
-            forced=[r for r in forced if r["model"] == m],
-            localised=(by_model.get(m) if by_model is not None else None),
-            exact=(exact_by_model.get(m) if exact_by_model is not None else None),
-            reference_model=against_by_model.get(m),
+            stages={
+                name: [r for r in records if r["model"] == m]
+                for name, records in results.records.items()
+            },
+            pairs=[p for p in results.pairs if p["model"] == m],
+            localised=of(m, results.localised) if results.localised is not None else None,
+            exact=of(m, results.exact) if results.exact is not None else None,
+            reference_model=of(m, results.against_reference_model),
             is_reference_model=m in reference_models,
             reference=reference,
-            logits={c: p for c, p in logits.items() if c.model == m},
+            logits={c: p for c, p in results.logits.items() if c.model == m},
             plot_dir=plot_dir,
             plot_href=plot_href,
         )

@@ -112,56 +112,59 @@ def localised(view: ModelView) -> str:
         "differ only in float rounding. Without a floor pair no divergence is named."
     ]
     if not loc["pairs"]:
-        out += ["", "_No pair to localise: no two devices both ran one file of this model._"]
+        out.append("_No pair to localise: no two devices both ran one file of this model._")
     for entry in loc["pairs"]:
         head = f"**{code(entry['a'])} vs {code(entry['b'])}** ({text(entry['why'])})"
         if entry["status"] != "ok":
-            out += ["", f"{head}: not localised: {text(entry['reason'])}."]
+            out.append(f"{head}: not localised: {text(entry['reason'])}.")
             continue
-        floor = entry["floor"]
         for q in entry["prompts"]:
-            lines = [
-                f"{head}, prompt {code(q['prompt'])}, {q['n_tensors']} tensors compared, floor: "
-                + (f"{code(floor[0])} vs {code(floor[1])}." if floor else "none."),
-                _finding(q, floor, factor),
-            ]
-            changed = q["capture_changed_logits"]
-            lines.append(
-                "Capturing left both combinations' logits bit-identical."
-                if not changed
-                else f"**Capturing changed the logits of {', '.join(map(code, changed))}**: observing the "
-                "graph split it differently on that backend, so this localisation describes the "
-                "observed computation, not exactly the uncaptured one."
-            )
-            out += ["", " ".join(lines)]
-            mark = q["first_divergence"] or q["first_difference"]
-            if mark is not None:
-                out += [
-                    "",
-                    table(
-                        [
-                            {
-                                "#": str(r["index"]),
-                                "tensor": code(r["name"]),
-                                "op": r["family"],
-                                "max \\|Δ\\|": num(r["max_abs"]),
-                                "NMSE": num(r["nmse"]),
-                                "floor NMSE": num(r.get("floor_nmse")),
-                            }
-                            for r in around(q["rows"], mark["index"])
-                        ]
-                    ),
-                ]
-            stem = Pair.parse(view.model, entry["a"], entry["b"]).stem
-            path = view.plot("depth", f"{stem}.{q['prompt']}")
-            if path is not None and q["rows"]:
-                divergence = q["first_divergence"]
-                plots.depth_profile(
-                    q["rows"],
-                    f"{floor[0]} vs {floor[1]}" if floor else None,
-                    divergence["index"] if divergence else None,
-                    path,
-                    f"{entry['a']} vs {entry['b']}, prompt {q['prompt']}",
-                )
-                out += ["", view.link(path, "difference by depth")]
-    return "\n".join(out)
+            out += _prompt_parts(view, entry, q, head, factor)
+    return "\n\n".join(out)
+
+
+def _prompt_parts(
+    view: ModelView, entry: dict[str, Any], q: dict[str, Any], head: str, factor: float
+) -> list[str]:
+    """One pair's localisation on one prompt: what it found, the tensors around the
+    divergence, and its plot by depth."""
+    floor = entry["floor"]
+    changed = q["capture_changed_logits"]
+    said = [
+        f"{head}, prompt {code(q['prompt'])}, {q['n_tensors']} tensors compared, floor: "
+        + (f"{code(floor[0])} vs {code(floor[1])}." if floor else "none."),
+        _finding(q, floor, factor),
+        "Capturing left both combinations' logits bit-identical."
+        if not changed
+        else f"**Capturing changed the logits of {', '.join(map(code, changed))}**: observing "
+        "the graph split it differently on that backend, so this localisation describes the "
+        "observed computation, not exactly the uncaptured one.",
+    ]
+    parts = [" ".join(said)]
+    mark = q["first_divergence"] or q["first_difference"]
+    if mark is not None:
+        parts.append(table([_tensor_row(r) for r in around(q["rows"], mark["index"])]))
+    stem = Pair.parse(view.model, entry["a"], entry["b"]).stem
+    path = view.plot("depth", f"{stem}.{q['prompt']}")
+    if path is not None and q["rows"]:
+        divergence = q["first_divergence"]
+        plots.depth_profile(
+            q["rows"],
+            f"{floor[0]} vs {floor[1]}" if floor else None,
+            divergence["index"] if divergence else None,
+            path,
+            f"{entry['a']} vs {entry['b']}, prompt {q['prompt']}",
+        )
+        parts.append(view.link(path, "difference by depth"))
+    return parts
+
+
+def _tensor_row(r: dict[str, Any]) -> dict[str, str]:
+    return {
+        "#": str(r["index"]),
+        "tensor": code(r["name"]),
+        "op": r["family"],
+        "max \\|Δ\\|": num(r["max_abs"]),
+        "NMSE": num(r["nmse"]),
+        "floor NMSE": num(r.get("floor_nmse")),
+    }

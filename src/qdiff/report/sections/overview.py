@@ -6,6 +6,7 @@ from typing import Any
 
 from qdiff.compare.pairs import headline, label
 from qdiff.core.records import failure_text
+from qdiff.core.stages import RUN, STAGES
 from qdiff.judge.diagnosis import plural
 from qdiff.report.fmt import cell, code, count, num, table, text
 from qdiff.report.view import ModelView
@@ -79,36 +80,29 @@ def _found(view: ModelView) -> str:
 
 
 def failures(views: list[ModelView]) -> str:
-    """Every stage's failures, one row per combination and reason, naming the stages it
-    cost: runs (and the model file's fetch or derivation, whose failure they carry), forced
-    passes, captures; then comparisons and localisations that failed on their own."""
+    """Every stage's failures (qdiff.core.stages), one row per combination and reason,
+    naming the stages it cost; then comparisons and localisations that failed on their own."""
     grouped: dict[tuple[str, str, str, str], list[str]] = {}
 
     def add(model: str, what: str, stage: str, status: str, reason: str) -> None:
         grouped.setdefault((model, what, status, reason), []).append(stage)
 
     for v in views:
-        for r in v.records:
-            for skipped in r.get("skipped_prompts", []):  # too long for the context
-                add(v.model, f"prompt {skipped['id']}", "run", "left out", skipped["reason"])
-            if r["status"] != "ok":
-                upstream = r.get("error", {}).get("kind") == "upstream"
-                add(
-                    v.model,
-                    label(r),
-                    "model file" if upstream else "run",
-                    r["status"],
-                    failure_text(r),
-                )
-        for r in v.forced:
-            if r["status"] == "failed":  # unavailable: left out with its run or its teacher
-                add(v.model, label(r), "teacher forcing", r["status"], failure_text(r))
-        if v.localised is not None:
-            for combo, why in v.localised.get("not_captured", {}).items():
-                if why["status"] == "failed":
-                    add(v.model, combo, "capture", why["status"], why["reason"])
-            if v.localised.get("status") == "failed":
-                add(v.model, "localisation", "localisation", "failed", failure_text(v.localised))
+        for stage in STAGES.values():
+            for r in v.stages.get(stage.name, []):
+                for skipped in r.get("skipped_prompts", []):  # too long for the context
+                    add(
+                        v.model,
+                        f"prompt {skipped['id']}",
+                        stage.label,
+                        "left out",
+                        skipped["reason"],
+                    )
+                # a device left out is named by its run; later stages are left out with it
+                if r["status"] == "failed" or (r["status"] != "ok" and stage is RUN):
+                    add(v.model, label(r), stage.label, r["status"], failure_text(r))
+        if v.localised is not None and v.localised.get("status") == "failed":
+            add(v.model, "localisation", "localisation", "failed", failure_text(v.localised))
         for p in v.pairs:
             if p["status"] == "failed":
                 add(v.model, f"{p['a']} vs {p['b']}", "comparison", "failed", failure_text(p))

@@ -1,0 +1,93 @@
+"""The exact stage's supervisor: the float64 engine runs in a child process of its own
+(``python -m qdiff.exact.reference``), after its memory is estimated and checked, so that
+the kernel's out-of-memory killer ends the child alone and the failure is recorded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qdiff.core.io import read_json, write_json
+from qdiff.core.records import failure_text
+from qdiff.exact.reference import ERROR_FILE, UNSUPPORTED, memory_needed
+from qdiff.jobs import StageError, available_memory, child_outcome, spawn
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ExactInputs:
+    model: Path
+    info: dict[str, Any]  # the model file's sidecar
+    run: dict[str, Any]  # the teacher's run record (prompts and tokens)
+    forced_data: Path | None  # the teacher's forced pass's arrays (its slice ids), if any
+    forced: dict[str, Any] | None  # and its record
+    top_k: int
+
+
+def exact_stage(
+    inputs: ExactInputs, data_out: Path, log: Path, timeout_s: float, max_memory_gib: float | None
+) -> dict[str, Any]:
+    """Compute the exact reference into ``data_out``; its record's fields: ``status`` ok with
+    the reference's figures and its memory estimate, or ``unsupported`` with the reason.
+    Raises StageError (the job records it as failed) when an input did not run, the memory
+    it needs is more than it may take, or the child fails (its signal, its error)."""
+    not_ok = [
+        r
+        for r in (inputs.info, inputs.run, inputs.forced)
+        if r is not None and r.get("status", "ok") != "ok"
+    ]
+    if not_ok:
+        raise StageError(f"no exact reference: {failure_text(not_ok[0])}")
+    needed = _memory_check(inputs, max_memory_gib)
+    for stale in data_out.parent.glob(".exact-*"):  # left by a killed job
+        shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=data_out.parent, prefix=".exact-") as tmp:
+        folder = Path(tmp)
+        made = {"record": folder / "record.json", "data": folder / "exact.npz"}
+        spec: dict[str, Any] = {
+            "model": str(inputs.model),
+            "teacher_run": inputs.run,
+            "teacher_data": str(inputs.forced_data) if inputs.forced_data else None,
+            "top_k": inputs.top_k,
+            **{name: str(path) for name, path in made.items()},
+        }
+        write_json(folder / "spec.json", spec)
+        code = spawn(
+            [sys.executable, "-m", "qdiff.exact.reference", str(folder / "spec.json")],
+            log,
+            timeout_s,
+        )
+        handled = read_json(folder / ERROR_FILE) if (folder / ERROR_FILE).exists() else None
+        if code == UNSUPPORTED and handled is not None:
+            return {"status": "unsupported", "reason": handled["message"]}
+        if code != 0:
+            outcome = child_outcome(code, handled, "the float64 engine", timeout_s)
+            raise StageError(
+                f"{outcome['message']}; it was estimated to need {needed / GIB:.2f} GiB"
+            )
+        os.replace(made["data"], data_out)
+        record = read_json(made["record"])
+    return {"status": "ok", **record, "memory_estimate_mib": round(needed / 2**20, 1)}
+
+
+def _memory_check(inputs: ExactInputs, max_memory_gib: float | None) -> int:
+    """The engine's estimate, in bytes, refused (StageError) beyond what it may take."""
+    lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in inputs.run["prompts"]]
+    needed = memory_needed(inputs.model, len(lengths), max(lengths, default=0))
+    limit, what = (
+        (max_memory_gib * GIB, "exact.max_memory_gib") if max_memory_gib else available_memory()
+    )
+    if needed > limit:
+        raise StageError(
+            f"the float64 engine needs about {needed / GIB:.2f} GiB for "
+            f"{inputs.info.get('file', inputs.model.name)}, and {what} allows "
+            f"{max(limit, 0) / GIB:.2f} GiB: free memory, set exact.max_memory_gib if this "
+            "machine can give more than qdiff sees, or set exact.enabled: false"
+        )
+    return needed
