@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import shutil
@@ -168,3 +169,60 @@ def quantize_in_child(src: Path, dst: Path, target: str) -> None:
 @pytest.fixture
 def workspace(tmp_path: Path) -> Workspace:
     return Workspace(tmp_path / "ws")
+
+
+# ---- the README's commands, as a user types them ----
+
+SETUP = "./setup && "  # what CI (.ci/run) and the user have run before any other command
+CLONE_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's ``sh`` blocks, in order, comments dropped."""
+    text = (REPO / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"^```sh\n(.*?)^```", text, re.M | re.S):
+        for line in block.splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            if command:
+                commands.append(command)
+    return commands
+
+
+@dataclass
+class Clone:
+    """A checkout as a user has it after ``./setup``: the workflow's files, a copy, and the
+    set-up's ``.venv`` (a link to this one). ``shell`` runs a command exactly as written,
+    in the environment ``. .venv/bin/activate`` gives (the README's first command leaves
+    the user's shell so)."""
+
+    root: Path
+
+    @classmethod
+    def of_repo(cls, root: Path) -> Clone:
+        root.mkdir(parents=True)
+        for name in CLONE_FILES:
+            source = REPO / name
+            if source.is_dir():
+                shutil.copytree(source, root / name)
+            else:
+                shutil.copy2(source, root / name)
+        (root / ".venv").symlink_to(REPO / ".venv")
+        return cls(root)
+
+    def shell(self, command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        venv = REPO / ".venv"
+        env = {**os.environ, "VIRTUAL_ENV": str(venv), "PATH": f"{venv}/bin:{os.environ['PATH']}"}
+        proc = subprocess.run(
+            ["bash", "-c", command],
+            cwd=self.root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3000,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"{command!r} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
+        return proc

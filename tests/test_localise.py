@@ -13,7 +13,7 @@ from qdiff.compare.localise import (
     tensor_rows,
 )
 from qdiff.core.labels import Pair
-from qdiff.report.sections.localised import localised
+from qdiff.report.sections.localised import section as localised
 from qdiff.report.view import ModelView
 
 

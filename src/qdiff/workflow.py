@@ -73,7 +73,7 @@ def signature_once(func: F) -> F:
     times every time it calls it: about 11,000 times for qdiff's functions in planning a
     matrix of 10 models x 10 devices x 3 dequant modes x 30 prompts. Asking once saved 4%
     of that planning's time on a 2-core AMD EPYC (Python 3.11) and nothing measurable on
-    the H200 host (Python 3.12; README "Large matrices"). Its own wrappers hand it their
+    the H200 host (Python 3.12; docs/performance.md). Its own wrappers hand it their
     signature once through ``snakemake.common.overwrite_function_params``; so does this. A
     Snakemake without that hook asks as before."""
     overwrite = getattr(snakemake.common, "overwrite_function_params", None)

@@ -3,7 +3,8 @@ in a child process after a memory estimate (rule exact_reference; qdiff.exact.st
 
 from pathlib import Path
 
-from qdiff import jobs, records
+from qdiff import jobs
+from qdiff.core import records
 from qdiff.core.io import read_json, write_json
 from qdiff.core.labels import Combination
 from qdiff.engine.provenance import machine

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 _FLOAT_WEIGHTS = {"f32", "f16", "bf16"}
 # CPU: the activation format of a quantized matmul is the weight type's vec_dot_type
-# (ggml-cpu type traits; BACKGROUND.md).
+# (ggml-cpu type traits; docs/background.md).
 _CPU_Q8_0 = {"q4_0", "q5_0", "q8_0", "iq4_nl"}
 _CPU_Q8_1 = {"q4_1", "q5_1"}
 

@@ -618,7 +618,7 @@ YTE_KEY = "__use_yte__"
 def check_config_files(paths: list[Path | str]) -> None:
     """Raise ConfigError if a config file defines a key twice in one mapping (YAML would
     silently keep the last one), or is a YTE template: Snakemake runs a file that sets
-    ``__use_yte__`` as Python code when it loads it, so qdiff refuses it (README)."""
+    ``__use_yte__`` as Python code when it loads it, so qdiff refuses it (config/README.md)."""
     for path in paths:
         loaded = load_yaml_strict(path)
         if isinstance(loaded, dict) and loaded.get(YTE_KEY):

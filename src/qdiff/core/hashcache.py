@@ -10,6 +10,7 @@ cache lives in ``.snakemake/qdiff/hashes.json``; losing it only costs time.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -33,13 +34,14 @@ def _identity(path: Path) -> list[int]:
 
 
 class HashCache:
+    """The cache file, read once; ``save`` merges what this process learnt into the file as
+    it is then, under a lock, so that jobs saving at once lose none of each other's
+    entries (a lost entry costs a file's hashing at the next invocation)."""
+
     def __init__(self, cache_file: Path = CACHE_FILE) -> None:
         self.cache_file = cache_file
-        try:
-            self.entries: dict[str, dict[str, object]] = json.loads(cache_file.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
-        self.changed = False
+        self.entries = _read(cache_file)
+        self.learnt: dict[str, dict[str, object]] = {}
 
     def sha256(self, path: Path) -> str:
         """The file's SHA-256, hashed again only if its identity on disk changed."""
@@ -54,17 +56,30 @@ class HashCache:
     def remember(self, path: Path, sha256: str) -> None:
         """Record ``sha256`` as the hash of ``path`` as it is now (its maker computed it)."""
         path = path.resolve()
-        self.entries[str(path)] = {"identity": _identity(path), "sha256": sha256}
-        self.changed = True
+        entry: dict[str, object] = {"identity": _identity(path), "sha256": sha256}
+        self.entries[str(path)] = self.learnt[str(path)] = entry
 
     def save(self) -> None:
-        if not self.changed:
+        if not self.learnt:
             return
         self.cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.cache_file.with_name(f".{self.cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.entries, indent=0))
-        os.replace(tmp, self.cache_file)  # concurrent parses: the last one wins, no harm
-        self.changed = False
+        lock = self.cache_file.with_name(f".{self.cache_file.name}.lock")
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            merged = {**_read(self.cache_file), **self.learnt}
+            tmp = self.cache_file.with_name(f".{self.cache_file.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(merged, indent=0))
+            os.replace(tmp, self.cache_file)
+        self.entries.update(merged)
+        self.learnt = {}
+
+
+def _read(cache_file: Path) -> dict[str, dict[str, object]]:
+    try:
+        entries = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
 
 
 def remember_made(path: Path, sha256: str | None) -> None:

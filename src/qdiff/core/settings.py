@@ -18,7 +18,7 @@ class DeviceSettings:
     n_ubatch: int = 512
     flash_attn: bool = False
     # extra buffer types: weight repacking (CPU_REPACK) and AMX kernels. Off by default:
-    # the AMX path segfaults on Q8_0/Q4_K models on this project's Xeon (BACKGROUND.md).
+    # the AMX path segfaults on Q8_0/Q4_K models on this project's Xeon (docs/background.md).
     extra_bufts: bool = False
     op_offload: bool = False  # GPU backends only: send large host-side ops to the GPU
     main_gpu: int = 0

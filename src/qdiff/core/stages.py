@@ -7,7 +7,7 @@ workflow's rules, path helpers and resources, the worker, the failure path, the 
 and the report (its inputs, its view of a model, its table of failures) all read this table,
 so a new stage is one entry here, its spec in qdiff.core.config, its function in
 qdiff.engine.worker, one ``use rule`` in ``workflow/rules/combinations.smk`` and, if the report
-is to show more than its failures, a report section. A stage has one name: its rule is
+is to show more than its failures, a module of qdiff.report.sections that its entry names. A stage has one name: its rule is
 ``<name>_combination``, its logs are under ``results/logs/<name>/``, its records say
 ``"stage": "<name>"`` and its worker function is ``STAGE_FUNCTIONS[<name>]``.
 """
@@ -30,6 +30,9 @@ class Stage:
     label: str  # what the report calls it, e.g. in the stages a failure cost
     runtime_min: int  # SLURM runtime per job on CPU (profiles/slurm may raise it)
     doc: str
+    # its section in each model's part of the report: (heading, module of
+    # qdiff.report.sections with a ``section(view)`` function), after the pairwise table
+    section: tuple[str, str] | None = None
 
     @property
     def rule(self) -> str:
@@ -76,6 +79,7 @@ STAGES: dict[str, Stage] = {
             label="teacher forcing",
             runtime_min=240,
             doc="teacher forcing along the teacher's greedy output (qdiff.compare.forced)",
+            section=("Teacher-forced comparison", "forced"),
         ),
         Stage(
             name="capture",
@@ -84,6 +88,7 @@ STAGES: dict[str, Stage] = {
             label="capture",
             runtime_min=60,
             doc="named intermediate tensors of one forward pass (qdiff.compare.localise)",
+            section=("Where the pairs part: op by op", "localised"),
         ),
     )
 }

@@ -62,7 +62,7 @@ def _load(spec: dict[str, Any], log: LlamaLog) -> tuple[LoadedModel, dict[str, A
         raise WorkerFailure(
             "unavailable",
             f"this llama-cpp-python build cannot use the {settings.backend} backend here "
-            f"(backend devices found: {found}); see README 'GPU backends'",
+            f"(backend devices found: {found}); see docs/gpus-and-clusters.md",
             EXIT_UNAVAILABLE,
         )
     if settings.main_gpu >= len(usable):

@@ -1,4 +1,4 @@
-"""The candle write-up's claims (BACKGROUND.md), checked against what qdiff measured.
+"""The candle write-up's claims (docs/background.md), checked against what qdiff measured.
 
 The write-up ran SmolLM2-135M-Instruct in Q8_0 and Q4_K_M with candle on an Apple M2 Max:
 CPU vs Metal, prompt "What is Rust?", 20 greedy tokens, first-step logits. Each claim below

@@ -15,24 +15,17 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from qdiff.core.io import write_text
+from qdiff.core.stages import STAGES
 from qdiff.jobs import child_preexec
 from qdiff.judge.diagnosis import plural
 from qdiff.report.fmt import code, text
 from qdiff.report.html import markdown_to_html
-from qdiff.report.sections import (
-    diagnosis,
-    distance,
-    forced,
-    localised,
-    overview,
-    pairs,
-    plots,
-    runs,
-)
+from qdiff.report.sections import diagnosis, distance, overview, pairs, plots, runs
 from qdiff.report.tables import pairs_frame, runs_frame
 from qdiff.report.view import ModelView, Results, split_by_model
 
@@ -41,13 +34,24 @@ __all__ = ["ModelView", "ReportFiles", "Results", "failed_report", "render", "wr
 TITLE = "# qdiff report: why the same GGUF gives different text on different devices"
 PAGE_TITLE = TITLE.removeprefix("# ")
 
+Section = Callable[[ModelView], str]
+
+
+def _stage_sections() -> list[tuple[str, Section]]:
+    """The sections the stage table names (qdiff.core.stages): each stage's own."""
+    return [
+        (s.section[0], import_module(f"qdiff.report.sections.{s.section[1]}").section)
+        for s in STAGES.values()
+        if s.section is not None
+    ]
+
+
 # (heading, section) in the order a reader meets them
-MODEL_SECTIONS: list[tuple[str, Callable[[ModelView], str]]] = [
+MODEL_SECTIONS: list[tuple[str, Section]] = [
     ("Runs", runs.runs),
     ("Diagnosis", diagnosis.diagnosis),
     ("Pairwise differences, largest first", pairs.pairs_table),
-    ("Teacher-forced comparison", forced.forced),
-    ("Where the pairs part: op by op", localised.localised),
+    *_stage_sections(),
     ("Distance from the exact answer", distance.exact_distance),
     ("Distance from the reference", pairs.reference_distance),
     ("Distance from the reference model", distance.reference_model_distance),

@@ -8,7 +8,7 @@ from qdiff.compare.forced import MIN_SCALE_POSITIONS, TIE_FACTOR
 from qdiff.compare.pairs import label
 from qdiff.core.records import failure_text
 from qdiff.judge.diagnosis import fork_sites, plural
-from qdiff.report import plots
+from qdiff.report import figures
 from qdiff.report.fmt import code, count, num, piece, table, text
 from qdiff.report.view import ModelView
 
@@ -29,7 +29,8 @@ def _legend(teacher: str, n_positions: int, n_prompts: int, top_k: int) -> str:
     )
 
 
-def forced(view: ModelView) -> str:
+def section(view: ModelView) -> str:
+    """The teacher-forced comparison of every pair (the forced stage's section)."""
     ok = [r for r in view.forced if r["status"] == "ok"]
     good = view.forced_pairs
     if not ok or not good:
@@ -145,7 +146,7 @@ def _positions_plot(view: ModelView, good: list[dict[str, Any]]) -> str:
         )
         for p in top
     }
-    plots.forced_curves(curves, path, f"{view.model}: difference along the teacher's text")
+    figures.forced_curves(curves, path, f"{view.model}: difference along the teacher's text")
     return (
         f"Median max \\|Δ\\| by position for the {len(top)} most different pairs:\n\n"
         + view.link(path, "max |Δ| by position")

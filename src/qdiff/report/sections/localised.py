@@ -6,7 +6,7 @@ from typing import Any
 
 from qdiff.compare.localise import around
 from qdiff.core.labels import Pair
-from qdiff.report import plots
+from qdiff.report import figures
 from qdiff.report.fmt import code, num, table, text
 from qdiff.report.view import ModelView
 
@@ -94,7 +94,8 @@ def _finding(q: dict[str, Any], floor: list[str] | None, factor: float) -> str:
     return _divergence(q, factor)
 
 
-def localised(view: ModelView) -> str:
+def section(view: ModelView) -> str:
+    """Where the chosen pairs part, op by op (the capture stage's section)."""
     loc = view.localised
     if loc is None:
         return "_Tensor capture is off (`capture.enabled`)._"
@@ -148,7 +149,7 @@ def _prompt_parts(
     path = view.plot("depth", f"{stem}.{q['prompt']}")
     if path is not None and q["rows"]:
         divergence = q["first_divergence"]
-        plots.depth_profile(
+        figures.depth_profile(
             q["rows"],
             f"{floor[0]} vs {floor[1]}" if floor else None,
             divergence["index"] if divergence else None,

@@ -7,7 +7,7 @@ import numpy as np
 from qdiff.compare.pairs import headline
 from qdiff.core.io import load_array
 from qdiff.core.labels import Combination, Pair
-from qdiff.report import plots
+from qdiff.report import figures
 from qdiff.report.view import ModelView
 
 
@@ -25,7 +25,7 @@ def overview_plots(view: ModelView) -> str:
     heat = view.plot("heatmap")
     assert heat is not None
     title = f"{view.model}: pairwise max |Δ|\nfirst step, over {view.first_step_scope}"
-    plots.heatmap(labels, values, heat, title)
+    figures.heatmap(labels, values, heat, title)
     worst = max(view.ok_pairs, key=headline)
     pair = Pair.from_result(worst)
     k = max(range(len(worst["prompts"])), key=lambda i: worst["prompts"][i]["max_abs"])
@@ -42,5 +42,5 @@ def overview_plots(view: ModelView) -> str:
     hist = view.plot("largest-pair")
     assert hist is not None
     a, b = load_array(view.logits[pair.a])[k], load_array(view.logits[pair.b])[k]
-    plots.delta_histogram(a, b, hist, f"{pair.a.label} vs {pair.b.label}, prompt {prompt}")
+    figures.delta_histogram(a, b, hist, f"{pair.a.label} vs {pair.b.label}, prompt {prompt}")
     return f"{head}\n\n{view.link(hist, 'per-token |Δ|')}"
