@@ -107,10 +107,11 @@ def code_digests(scripts: list[Path], cache_file: Path = CODE_CACHE) -> dict[str
 
 def code_digest(script: str | Path) -> str:
     """A digest of the qdiff code ``script`` runs: the qdiff modules it imports, and theirs,
-    each as its syntax tree without docstrings, so that a comment, a docstring or a
-    reformat reruns nothing and any change to what the code does reruns the rule's jobs.
-    A rule takes it as its ``code`` param: Snakemake reruns a ``script:`` rule's jobs when
-    the script changes, not when a library module it imports does."""
+    and every module of each package among them (a package may load its own modules by
+    name: the report's stage sections), each as its syntax tree without docstrings, so that
+    a comment, a docstring or a reformat reruns nothing and any change to what the code
+    does reruns the rule's jobs. A rule takes it as its ``code`` param: Snakemake reruns a
+    ``script:`` rule's jobs when the script changes, not when a module it imports does."""
     digest = hashlib.sha256()
     for module in sorted(_imported_closure(_qdiff_imports(Path(script)))):
         digest.update(f"{module}\n{_module_tree(module)[0]}\n".encode())
@@ -161,10 +162,13 @@ def _module_tree(module: str) -> tuple[str, frozenset[str]]:
             and isinstance(body[0].value.value, str)
         ):
             body[0] = ast.Pass()
-    imports = frozenset(_qdiff_imports(path))
+    imports = _qdiff_imports(path)
     # a package's __init__ runs first when any module of it is imported
-    parents = {".".join(module.split(".")[:i]) for i in range(2, module.count(".") + 1)}
-    return ast.dump(tree), imports | {p for p in parents if _module_file(p) is not None}
+    imports |= {".".join(module.split(".")[:i]) for i in range(2, module.count(".") + 1)}
+    if path.name == "__init__.py" and module != "qdiff":  # a package: every module of it
+        imports |= {f"{module}.{p.stem}" for p in path.parent.glob("*.py") if p.name != path.name}
+        imports |= {f"{module}.{p.parent.name}" for p in path.parent.glob("*/__init__.py")}
+    return ast.dump(tree), frozenset(m for m in imports if _module_file(m) is not None)
 
 
 def _imported_closure(modules: set[str]) -> set[str]:
