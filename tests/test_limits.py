@@ -79,6 +79,29 @@ def test_an_endless_download_and_a_full_disk_fail_their_own_jobs(
     assert record(workspace, "results/runs/local/cpu/none/record.json")["status"] == "ok"
 
 
+def test_a_download_that_fills_the_disk_fails_as_a_full_disk(
+    workspace: Workspace, tiny_gguf: Path
+) -> None:
+    """A download with no end under a large download.max_gib, onto a 2 MiB disk: it stops
+    at the full disk and says so, as final (no retry), leaves no partial file, and the
+    report renders."""
+    config = tiny_config(tiny_gguf, dequant=["none"], download={"max_gib": 100})
+    with serving(tiny_gguf.read_bytes()) as server:
+        config["models"] = {"endless": {"url": f"{server.base}/forever.gguf", "sha256": "0" * 64}}
+        workspace.write_config(config)
+        with small_disk(workspace.root / "resources", "2m") as disk:
+            proc = workspace.snakemake()
+            leftovers = [p.name for p in (disk / "models").iterdir() if "part" in p.name]
+            endless = record(workspace, "resources/models/endless.gguf.json")
+    assert leftovers == []
+    message = endless["error"]["message"]
+    assert endless["status"] == "failed" and message.startswith(
+        "no space left on the disk that holds resources/models"
+    ), message
+    assert "retrying in" not in proc.stdout + proc.stderr  # a full disk is not worth a retry
+    assert "no space left on the disk" in (workspace.root / "results/summary.md").read_text()
+
+
 def bigger_llama(folder: Path, quant: str) -> Path:
     """A random llama of 68 M parameters as ``quant``: its float64 weights take 0.5 GiB."""
     f32 = write_tiny_llama(folder / "big-f32.gguf", n_embd=1024, n_layer=4, n_ff=4096)
@@ -130,6 +153,12 @@ def test_an_exact_stage_killed_is_recorded_and_retried(
     ), exact["error"]["message"]
     summary = (workspace.root / "results/summary.md").read_text()
     assert "No exact reference: the float64 engine was killed by SIGKILL" in summary
+    # and it is a row of the report's failure table, like any stage's failure
+    assert any(
+        "`exact reference`" in line and "killed by SIGKILL" in line
+        for line in summary.splitlines()
+        if line.startswith("| `tiny`")
+    ), summary
     workspace.snakemake()  # retried: the failed record carries a fresh token
     assert record(workspace, "results/exact/tiny/record.json")["status"] == "ok"
 

@@ -104,3 +104,16 @@ def test_nothing_to_hide_creates_no_key(tmp_path: Path) -> None:
     }
     assert secrets.scrub_config(config, tmp_path / "key") == {}
     assert not (tmp_path / "key").exists()
+
+
+def test_only_values_of_six_characters_or_more_are_taken_out_of_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A short value (a flag such as "1") stays hidden from Snakemake but is not searched
+    for in text, which would lose every "1" of a record; a longer one is."""
+    monkeypatch.setattr(secrets, "_REVEALED", {})
+    secrets.remember("<hidden:aaaa>", "x" * (secrets.SCRUB_MIN_CHARS - 1))
+    secrets.remember("<hidden:bbbb>", "y" * secrets.SCRUB_MIN_CHARS)
+    text = f"{'x' * 5} and {'y' * 6}"
+    assert secrets.scrub(text) == f"{'x' * 5} and <hidden:bbbb>"
+    assert secrets.scrub({"a": [text]}) == {"a": [f"{'x' * 5} and <hidden:bbbb>"]}

@@ -420,6 +420,28 @@ def test_capture_of_two_identical_configurations_finds_no_divergence(
     )
 
 
+def test_a_localisation_that_fails_is_a_row_of_the_failure_table(
+    finished: Workspace, tmp_path: Path
+) -> None:
+    """A capture file cut short after its record was written (a disk fault, say): the
+    localisation that reads it fails on its own, the report names it with the error, and
+    the other model's localisation is untouched."""
+    ws = finished.copy_to(tmp_path / "ws")
+    capture = ws.root / "results/capture/tiny/cpu/none/capture.npz"
+    capture.write_bytes(capture.read_bytes()[:100])
+    other = (ws.root / "results/localise/tiny.requant-q8_0.json").read_text()
+    ws.snakemake("--forcerun", "localise_model")
+    localised = json.loads((ws.root / "results/localise/tiny.json").read_text())
+    assert localised["status"] == "failed" and localised["pairs"] == [], localised
+    assert json.loads(other) == json.loads(
+        (ws.root / "results/localise/tiny.requant-q8_0.json").read_text()
+    )
+    summary = (ws.root / "results/summary.md").read_text()
+    (row,) = [line for line in summary.splitlines() if "| `localisation`" in line]
+    assert row.startswith("| `tiny`") and "failed" in row, row
+    assert "BadZipFile" in row and "its traceback: results/logs/localise/tiny.log" in row, row
+
+
 def test_reruns_follow_content_not_timestamps_or_names(
     finished: Workspace, tmp_path: Path, tiny_gguf: Path
 ) -> None:

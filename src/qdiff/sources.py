@@ -7,8 +7,9 @@ connection; logs show the URL without them.
 
 Which failures are worth another attempt: a dropped connection, a timeout, a stall (less
 than ``stall_min_bytes`` in ``stall_window_s``) and HTTP 5xx/429 are retried and resumed; a
-404, a refused URL, a checksum mismatch, a file that is not GGUF, a body longer than its
-Content-Length header or than ``download.max_gib``, and a full disk are not.
+404, a refused URL, a checksum mismatch, a file that is not GGUF, a body longer than
+``download.max_gib`` (announced or received), and a full disk are not. A body longer than
+its Content-Length cannot reach the file: http.client reads no further than it.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _copy(
 ) -> int:
     """Copy the body, reading whatever has arrived (``read1``), so that a trickle is
     measured: fewer than ``stall.min_bytes`` in any ``stall.window_s`` is a stall. A body
-    that runs past its Content-Length, or past ``stall.max_bytes`` without one, is cut."""
+    that runs past ``stall.max_bytes`` (a server that sends no length) is cut."""
     start = last_report = window_start = time.monotonic()
     window_bytes, started_at = 0, done
     while True:
@@ -171,8 +172,6 @@ def _copy(
             out.write(block)
             done += len(block)
             window_bytes += len(block)
-            if total is not None and done > total:
-                raise FetchError(f"{label} sent more than its Content-Length of {total} bytes")
             if done > stall.max_bytes:
                 raise stall.too_long(label, done, announced=False)
         elif block == b"":

@@ -167,17 +167,21 @@ def empty_placeholder(output: Path, staged: Path) -> None:
         staged.write_bytes(b"")
 
 
-def error_info(exc: BaseException, stage: str, folder: Path = Path()) -> dict[str, Any]:
+def error_info(
+    exc: BaseException, stage: str, folder: Path = Path(), log: str | None = None
+) -> dict[str, Any]:
     """What a failure record says about an exception: what failed and where, without a
-    hidden value or a URL's query (qdiff.core.secrets.scrub_message); a full disk in plain words
-    (``folder``: where the job writes)."""
+    hidden value or a URL's query (qdiff.core.secrets.scrub_message); a full disk in plain
+    words (``folder``: where the job writes); an unexpected error with where its traceback
+    is (``log``, the job's log)."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         message = disk_full(folder)
     elif isinstance(exc, StageError):
         message = str(exc)
     else:
-        message = f"{type(exc).__name__}: {exc}"
-    return {"kind": "error", "stage": stage, "message": secrets.scrub_message(message)}
+        message = f"{type(exc).__name__}: {exc}" + (f" (its traceback: {log})" if log else "")
+    error = {"kind": "error", "stage": stage, "message": secrets.scrub_message(message)}
+    return error | ({"log": log} if log else {})
 
 
 INPUTS_KEY = "inputs_key"  # in an ok record: what its job's outputs were made of
@@ -271,9 +275,8 @@ def run(
     except Exception as exc:  # the one failure path: record it, never lose the report
         print(secrets.scrub_message(traceback.format_exc()), file=sys.stderr)
         job.discard()
-        error = error_info(exc, smk.rule, job.outputs[0].parent)
-        if job.log_path:
-            error["log"] = str(job.log_path)
+        log = str(job.log_path) if job.log_path else None
+        error = error_info(exc, smk.rule, job.outputs[0].parent, log)
         on_failure(job, error)
     if key is not None and job.out(job.outputs[0]).exists():
         _with_key(job.out(job.outputs[0]), key)

@@ -81,7 +81,8 @@ def _found(view: ModelView) -> str:
 
 def failures(views: list[ModelView]) -> str:
     """Every stage's failures (qdiff.core.stages), one row per combination and reason,
-    naming the stages it cost; then comparisons and localisations that failed on their own."""
+    naming the stages it cost; then exact references, comparisons and localisations that
+    failed on their own."""
     grouped: dict[tuple[str, str, str, str], list[str]] = {}
 
     def add(model: str, what: str, stage: str, status: str, reason: str) -> None:
@@ -101,6 +102,8 @@ def failures(views: list[ModelView]) -> str:
                 # a device left out is named by its run; later stages are left out with it
                 if r["status"] == "failed" or (r["status"] != "ok" and stage is RUN):
                     add(v.model, label(r), stage.label, r["status"], failure_text(r))
+        if v.exact is not None and v.exact["status"] != "ok":
+            add(v.model, "exact reference", "exact reference", v.exact["status"], v.exact["reason"])
         if v.localised is not None and v.localised.get("status") == "failed":
             add(v.model, "localisation", "localisation", "failed", failure_text(v.localised))
         for p in v.pairs:
