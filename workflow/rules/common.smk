@@ -21,7 +21,7 @@ from qdiff.core.labels import (
     Combination,
     Pair,
 )
-from qdiff.core.stages import CAPTURE, FORCED, RUN, STAGES
+from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, STAGES
 from qdiff.engine.probe import check_strict_devices
 from qdiff.engine.provenance import llama_build_id
 from qdiff.engine.stage import retry_token
@@ -356,7 +356,7 @@ def localise_inputs(wildcards):
 # A model's exact-reference files: its record and data (qdiff.exact), and how far every
 # combination is from it (qdiff.compare.distance)
 EXACT_FILES = {
-    "record": "record.json",
+    "record": RECORD_FILE,
     "data": "exact.npz",
     "distance": "distance.json",
 }
