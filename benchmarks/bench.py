@@ -6,8 +6,9 @@ It runs, in a scratch directory (``--workdir``, default a temporary one):
 
 1. the experiment (``--config``, default the default experiment) through ``snakemake --cores N``
    from nothing, then the no-op rerun (the same command again), beside Snakemake's own no-op
-   of a one-rule workflow;
-2. the same experiment's runs alone (teacher forcing, capture and the exact reference off),
+   of a one-rule workflow; and the serving stage's wall time against the decoding of its
+   cases (its target: at most 10% more);
+2. the same experiment's runs alone (teacher forcing, capture, exact and serving off),
    from a clean results/ with the model files already made, against the *inference floor*: the
    same runs in one bare loop in this process (llama-cpp-python through
    ``qdiff.engine.model.LoadedModel``: load, prompt, greedy decode; no Snakemake, no records,
@@ -117,6 +118,7 @@ def runs_only(config: dict[str, Any]) -> dict[str, Any]:
         "teacher_forcing": {"enabled": False},
         "capture": {"enabled": False},
         "exact": {"enabled": False},
+        "serving": {"enabled": False},
     }
 
 
@@ -184,6 +186,33 @@ def recorded_inference(workdir: Path) -> tuple[float, int]:
             steps = max(len(prompt["tokens"]) - 1, 0)  # the first token comes from the prompt
             total += (prompt["prompt_ms"] + (prompt["decode_ms_per_token"] or 0) * steps) / 1000
     return total, n_records
+
+
+def serving_overhead(workdir: Path) -> None:
+    """The serving stage against the decoding it exists for: each job's wall time over the
+    seconds its cases and references took (contexts, prefills, decoding, as the worker
+    timed them); the rest is the process, one model load, tokenizing and the record."""
+    from qdiff.core.stages import SERVING
+
+    wall = decoding = 0.0
+    records = [json.loads(p.read_text()) for p in (workdir / SERVING.folder).rglob("record.json")]
+    ok = [r for r in records if r["status"] == "ok"]
+    for record in ok:
+        wall += record["timings"]["stage_wall_s"]
+        decoding += record["timings"]["references_s"] + sum(
+            row["seconds"] for case in record["cases"] for row in case["prompts"]
+        )
+    if not ok:
+        print("  serving stage: no ok serving record (is serving enabled in the config?)")
+        return
+    line(
+        "serving stage / its decoding",
+        wall / decoding,
+        "x",
+        1.10,
+        "lower",
+        f"{len(ok)} jobs: {wall:.1f} s of stage wall time, {decoding:.1f} s of cases",
+    )
 
 
 def stage_seconds(workdir: Path) -> dict[str, float]:
@@ -260,6 +289,8 @@ def pipeline(args: argparse.Namespace, workdir: Path) -> None:
         " job seconds by stage (per-combination stages as their records time them): "
         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1]))
     )
+
+    serving_overhead(full)
 
     runs = workdir / "runs-only"
     shutil.copytree(full / "resources", runs / "resources", copy_function=os.link)

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -134,6 +134,8 @@ def tiny_config(model_path: Path, **overrides: Any) -> dict[str, Any]:
             {"id": "france", "text": "The capital of France is"},
         ],
         "generation": {"n_tokens": 8, "n_ctx": 256},
+        # on by default for users; here only where a test is about it (tests/test_serving.py)
+        "serving": {"enabled": False},
     }
     config.update(overrides)
     return config
@@ -226,3 +228,21 @@ class Clone:
                 f"{command!r} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
             )
         return proc
+
+
+def bigger_llama(folder: Path, quant: str) -> Path:
+    """A random llama of 68 M parameters as ``quant``: its float64 weights take 0.5 GiB."""
+    f32 = write_tiny_llama(folder / "big-f32.gguf", n_embd=1024, n_layer=4, n_ff=4096)
+    quantized = folder / f"big-{quant}.gguf"
+    quantize_in_child(f32, quantized, quant)
+    f32.unlink()
+    return quantized
+
+
+def processes() -> Iterator[tuple[int, str]]:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                yield int(entry.name), (entry / "cmdline").read_text()
+            except OSError:
+                continue

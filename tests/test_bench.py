@@ -16,7 +16,8 @@ from conftest import REPO, tiny_config
 
 def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) -> None:
     config = tmp_path / "experiment.yaml"
-    config.write_text(yaml.safe_dump(tiny_config(tiny_gguf), sort_keys=False))
+    experiment = tiny_config(tiny_gguf, serving={"n_tokens": 4, "cases": ["repeat", "batch"]})
+    config.write_text(yaml.safe_dump(experiment, sort_keys=False))
     proc = subprocess.run(
         [
             sys.executable,
@@ -46,6 +47,7 @@ def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) ->
     figures = re.findall(r"^  (.+?)\s+(\d+\.\d+) .* target ([<>]=) ", out, re.M)
     names = [name.strip() for name, _, _ in figures]
     assert names == [
+        "serving stage / its decoding",  # over the serving records of 8 jobs
         "pipeline / inference floor",
         "no-op rerun",
         "compare throughput",  # synthetic logits of Gemma's vocabulary
@@ -55,6 +57,7 @@ def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) ->
     ], out
     # how fast this machine is is the benchmark's to judge: a figure need only be a number
     assert all(math.isfinite(float(value)) for _, value, _ in figures), out
+    assert re.search(r"serving stage / its decoding .*\[8 jobs: ", out), out  # every serving job
     assert "runs only (run_combination 8, compare_model 2, report 1)" in out
     # the ratio's two factors, from the records the pipeline's own 8 runs wrote
     split = re.search(r"own records \(8 ok run records\): (\d+\.\d+) s .* / its records", out)

@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO, Workspace, tiny_config
 from qdiff.core.config import ConfigError, check_config_files, load_experiment
-from qdiff.core.stages import CAPTURE, FORCED, RUN, STAGES
+from qdiff.core.stages import CAPTURE, FORCED, RUN, SERVING, STAGES
 
 GOOD = tiny_config(Path("/models/tiny.gguf"))
 
@@ -197,6 +197,22 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
             "config.prompts[0].text (prompt 'a'): contains a NUL character",
         ),
         (
+            changed(serving={"prompts": ["nope"]}),
+            "config.serving.prompts: 'nope' is not a prompt id",
+        ),
+        (
+            changed(serving={"cases": ["batch"], "others": []}),
+            "config.serving: no case to run (cases, others or n_ubatch is empty)",
+        ),
+        (
+            changed(serving={"cases": ["batched"]}),
+            "config.serving.cases[0]: 'batched' is not one of ['repeat', 'process', 'batch'",
+        ),
+        (
+            changed(serving={"others": [0]}),
+            "config.serving.others[0]: 0 is less than the minimum of 1",
+        ),
+        (
             changed(devices__cpu__env={"NOT A NAME": "1"}),
             "config.devices.cpu.env: 'NOT A NAME' does not match",
         ),
@@ -220,6 +236,20 @@ def test_forced_and_capture_specs_depend_on_what_they_use() -> None:
     assert "n_tokens" not in capture["generation"]
     longer = load_experiment(changed(generation__n_tokens=3))
     assert longer.spec(CAPTURE, combo) == capture and longer.spec(FORCED, combo) != forced
+
+
+def test_the_serving_spec_depends_on_what_it_uses() -> None:
+    on = changed(serving={"enabled": True})
+    exp = load_experiment(on)
+    combo = exp.all_combinations()[1]
+    spec = exp.spec(SERVING, combo)
+    assert spec["serving"]["prompts"] == ["rust", "france"]  # the first two by default
+    assert [c["id"] for c in spec["serving"]["cases"]][:3] == ["repeat", "process", "batch-3"]
+    assert "repeats" not in spec
+    assert load_experiment({**on, "repeats": 3}).spec(SERVING, combo) == spec
+    assert load_experiment({**on, "teacher_forcing": {"top_k": 8}}).spec(SERVING, combo) == spec
+    fewer = load_experiment(changed(serving={"n_tokens": 4}))
+    assert fewer.spec(SERVING, combo) != spec and fewer.spec(RUN, combo) == exp.spec(RUN, combo)
 
 
 def test_all_problems_are_reported_at_once() -> None:

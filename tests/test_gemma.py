@@ -96,5 +96,25 @@ def test_the_exact_stages_memory_estimate_covers_its_peak(default_run: Workspace
         assert peak <= estimate <= 1.5 * peak, (model, estimate, peak)
 
 
+def test_the_serving_map_on_the_real_models(default_run: Workspace) -> None:
+    """Every combination's serving job ran every case; decoding again, in a new context or
+    in the run's own process, is bit-identical on every real model and combination, and
+    the report's map has a row for each combination."""
+    summary = (default_run.root / "results/summary.md").read_text()
+    for model in MODELS:
+        for device in ("cpu", "cpu-fa"):
+            for dequant in ("none", "f32"):
+                path = default_run.root / f"results/serving/{model}/{device}/{dequant}/record.json"
+                record = json.loads(path.read_text())
+                assert record["status"] == "ok", record.get("error")
+                by_case = {c["id"]: c["prompts"] for c in record["cases"]}
+                assert len(by_case) == 9 and all(len(rows) == 2 for rows in by_case.values())
+                for row in by_case["repeat"] + by_case["process"]:
+                    assert row["first_differing_step"] is None and row["fork_step"] is None
+        section = summary.split(f"## Model `{model}`", 1)[1].split("### Serving conditions", 1)[1]
+        for label in ("cpu.none", "cpu.f32", "cpu-fa.none", "cpu-fa.f32"):
+            assert f"| `{label}`" in section.split("###", 1)[0], (model, label)
+
+
 def test_rerun_plans_nothing(default_run: Workspace) -> None:
     assert default_run.planned_jobs() == []

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Workspace, quantize_in_child, tiny_config
+from conftest import REPO, Workspace, bigger_llama, processes, tiny_config
 from modelserver import serving
-from tinymodel import write_tiny_llama
 
 pytestmark = pytest.mark.workflow
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
@@ -102,15 +101,6 @@ def test_a_download_that_fills_the_disk_fails_as_a_full_disk(
     assert "no space left on the disk" in (workspace.root / "results/summary.md").read_text()
 
 
-def bigger_llama(folder: Path, quant: str) -> Path:
-    """A random llama of 68 M parameters as ``quant``: its float64 weights take 0.5 GiB."""
-    f32 = write_tiny_llama(folder / "big-f32.gguf", n_embd=1024, n_layer=4, n_ff=4096)
-    quantized = folder / f"big-{quant}.gguf"
-    quantize_in_child(f32, quantized, quant)
-    f32.unlink()
-    return quantized
-
-
 def exact_only(model: Path, **extra: object) -> dict:
     config = tiny_config(
         model,
@@ -161,15 +151,6 @@ def test_an_exact_stage_killed_is_recorded_and_retried(
     ), summary
     workspace.snakemake()  # retried: the failed record carries a fresh token
     assert record(workspace, "results/exact/tiny/record.json")["status"] == "ok"
-
-
-def processes() -> Iterator[tuple[int, str]]:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                yield int(entry.name), (entry / "cmdline").read_text()
-            except OSError:
-                continue
 
 
 def test_an_exact_stage_beyond_the_cgroups_memory_is_refused_before_it_starts(

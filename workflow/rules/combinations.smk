@@ -60,3 +60,21 @@ use rule run_combination as capture_combination with:
         llama_build=LLAMA_BUILD,
         code=CODE["combination_stage"],
         retry_token=stage_retry_token(CAPTURE),
+
+
+# Serving conditions (qdiff.core.serving): prompts decoded as a server would, against each alone.
+use rule run_combination as serving_combination with:
+    input:
+        unpack(serving_inputs),
+    output:
+        **stage_outputs(SERVING),
+    log:
+        SERVING.log_pattern,
+    resources:
+        **stage_resources(SERVING),
+    params:
+        stage=SERVING.name,
+        spec=stage_spec(SERVING),
+        llama_build=LLAMA_BUILD,
+        code=CODE["combination_stage"],
+        retry_token=stage_retry_token(SERVING),

@@ -21,7 +21,7 @@ from qdiff.core.labels import (
     Combination,
     Pair,
 )
-from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, STAGES
+from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES
 from qdiff.engine.probe import check_strict_devices
 from qdiff.engine.provenance import llama_build_id
 from qdiff.engine.stage import retry_token
@@ -219,6 +219,12 @@ def forced_inputs(wildcards):
         inputs["teacher_record"] = FORCED.record(teacher)
         inputs["teacher_data"] = ancient(FORCED.data(teacher))
     return inputs
+
+
+@signature_once
+def serving_inputs(wildcards):
+    """A serving job also reads its own run's record: the reference in another process."""
+    return {**combination_inputs(wildcards), "own_run": RUN.record(combo_of(wildcards))}
 
 
 def stage_spec(stage):

@@ -26,8 +26,9 @@ from qdiff.core import secrets
 from qdiff.core.backends import BACKENDS
 from qdiff.core.formats import KV_CACHE_TYPES, QUANT_TYPES
 from qdiff.core.labels import DEQUANT_MODES, PAIR_SEPARATOR, Combination, Pair
+from qdiff.core.serving import cases as serving_cases
 from qdiff.core.settings import DeviceSettings
-from qdiff.core.stages import CAPTURE, FORCED, RUN, Stage
+from qdiff.core.stages import CAPTURE, FORCED, RUN, SERVING, Stage
 
 SOURCE_KINDS = ("url", "hf", "path", "package")
 # Names become path components and Snakemake wildcards: no separators, no "..", and no
@@ -96,6 +97,7 @@ class Experiment:
     reference: str | None = None  # "device.dequant" the report measures everything against
     teacher_forcing: dict[str, Any] | None = None  # {"enabled": bool, "top_k": int}
     capture: dict[str, Any] | None = None  # {"enabled", "prompts", "tensors", "pairs"}
+    serving: dict[str, Any] | None = None  # qdiff.core.serving; {"enabled", "prompts", ...}
     download: dict[str, Any] | None = None  # qdiff.sources.DownloadLimits.from_config
     exact: dict[str, Any] | None = None  # {"enabled"}
     reference_model: str | None = None  # a model every other model is measured against
@@ -152,11 +154,20 @@ class Experiment:
         return bool(self.capture and self.capture["enabled"])
 
     @property
+    def serving_enabled(self) -> bool:
+        return bool(self.serving and self.serving["enabled"])
+
+    @property
     def exact_enabled(self) -> bool:
         return bool(self.exact and self.exact["enabled"])
 
     def stage_enabled(self, stage: Stage) -> bool:
-        return {RUN: True, FORCED: self.forcing_enabled, CAPTURE: self.capture_enabled}[stage]
+        return {
+            RUN: True,
+            FORCED: self.forcing_enabled,
+            CAPTURE: self.capture_enabled,
+            SERVING: self.serving_enabled,
+        }[stage]
 
     def keeps_data(self, stage: Stage) -> bool:
         """Whether a stage's jobs write its data file: every stage does, except a run with
@@ -169,6 +180,7 @@ class Experiment:
             RUN: self._run_spec,
             FORCED: self._forced_spec,
             CAPTURE: self._capture_spec,
+            SERVING: self._serving_spec,
         }
         return {**builders[stage](combo), "stage": stage.name}
 
@@ -205,6 +217,21 @@ class Experiment:
             "prompts": [p for p in spec["prompts"] if p["id"] in prompts],
             "generation": {k: v for k, v in spec["generation"].items() if k != "n_tokens"},
             "capture": {"prompts": prompts, "tensors": self.capture["tensors"]},
+        }
+
+    def _serving_spec(self, combo: Combination) -> dict[str, Any]:
+        """The run's spec, minus repeats, plus the needles and the cases (qdiff.core.serving);
+        every prompt stays in it, since the others of a batch are the other prompts."""
+        assert self.serving is not None
+        spec = {k: v for k, v in self._run_spec(combo).items() if k != "repeats"}
+        return {
+            **spec,
+            "serving": {
+                "prompts": self.serving["prompts"] or [p.id for p in self.prompts[:2]],
+                "n_tokens": self.serving["n_tokens"],
+                "long_prompt_tokens": self.serving["long_prompt_tokens"],
+                "cases": [c.as_dict() for c in serving_cases(self.serving)],
+            },
         }
 
 
@@ -504,6 +531,20 @@ def _check_capture(
             _combination_label(item, f"config.capture.pairs[{i}]", devices, dequant, problems)
 
 
+def _check_serving(
+    serving: dict[str, Any], prompts: tuple[Prompt, ...], problems: list[str]
+) -> None:
+    known = {p.id for p in prompts}
+    for pid in serving["prompts"]:
+        if known and pid not in known:
+            problems.append(f"config.serving.prompts: {pid!r} is not a prompt id")
+    if serving["enabled"] and not serving_cases(serving):
+        problems.append(
+            "config.serving: no case to run (cases, others or n_ubatch is empty); "
+            "set enabled: false to run none"
+        )
+
+
 def validate(
     config: dict[str, Any], base_dir: Path | str = "."
 ) -> tuple[Experiment, dict[str, Any]]:
@@ -518,6 +559,7 @@ def validate(
     prompts = _prompts(data["prompts"], Path(base_dir), problems)
     reference = _reference(data, devices, problems)
     _check_capture(data["capture"], devices, data["dequant"], prompts, problems)
+    _check_serving(data["serving"], prompts, problems)
     _check_reference_model(data, models, reference, problems)
     _check_first_step_logits(data, problems)
     if problems:
@@ -534,6 +576,7 @@ def validate(
         reference=reference,
         teacher_forcing=data["teacher_forcing"],
         capture=data["capture"],
+        serving=data["serving"],
         download=data["download"],
         exact=data["exact"],
         reference_model=data.get("reference_model"),

@@ -28,6 +28,7 @@ class ErrorInfo(TypedDict, total=False):
     log_tail: list[str]
     model_buffers: dict[str, float]  # where the weights were when it failed
     log: str  # the job's log file
+    progress: dict[str, Any]  # a crashed stage's work so far and where it was (serving)
 
 
 class ModelInfo(TypedDict, total=False):

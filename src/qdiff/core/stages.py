@@ -90,6 +90,16 @@ STAGES: dict[str, Stage] = {
             doc="named intermediate tensors of one forward pass (qdiff.compare.localise)",
             section=("Where the pairs part: op by op", "localised"),
         ),
+        Stage(
+            name="serving",
+            folder="results/serving",
+            data_file="serving.npz",
+            label="serving",
+            runtime_min=120,
+            doc="prompts decoded as a server would, against each alone (qdiff.core.serving)",
+            section=("Serving conditions: which cases change the output", "serving"),
+        ),
     )
 }
 RUN, FORCED, CAPTURE = STAGES["run"], STAGES["forced"], STAGES["capture"]
+SERVING = STAGES["serving"]

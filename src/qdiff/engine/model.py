@@ -54,13 +54,20 @@ def _model_params(
 
 
 def _context_params(
-    device: DeviceSettings, n_ctx: int, eval_callback: Any = None
+    device: DeviceSettings,
+    n_ctx: int,
+    eval_callback: Any = None,
+    n_seq_max: int = 1,
+    kv_unified: bool = False,
 ) -> llama_cpp.llama_context_params:
+    """A context's parameters: the device's settings, and how many sequences it holds in
+    one KV cache (``kv_unified``) or in one per sequence (qdiff.engine.serving)."""
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = n_ctx
     params.n_batch = device.n_batch
     params.n_ubatch = min(device.n_ubatch, device.n_batch)
-    params.n_seq_max = 1
+    params.n_seq_max = n_seq_max
+    params.kv_unified = kv_unified
     params.n_threads = device.threads
     params.n_threads_batch = device.threads
     params.flash_attn_type = (
@@ -115,6 +122,23 @@ class LoadedModel:
         self.load_seconds = time.perf_counter() - start
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+    def new_context(
+        self, device: DeviceSettings, n_ctx: int, n_seq_max: int, kv_unified: bool
+    ) -> Any:
+        """Another context of this model (a llama_context; free it with llama_free), with
+        ``device``'s settings and ``n_seq_max`` sequences (qdiff.engine.serving)."""
+        params = _context_params(device, n_ctx, n_seq_max=n_seq_max, kv_unified=kv_unified)
+        ctx = llama_cpp.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise ContextError(
+                f"llama.cpp refused a context of {n_ctx} cells for {n_seq_max} sequences "
+                f"({'unified' if kv_unified else 'split'} KV cache)"
+            )
+        return ctx
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def set_eval_callback(self, callback: Any) -> None:
         """Recreate the context with llama.cpp's eval callback (cb_eval), or without (None)."""

@@ -40,6 +40,7 @@ from qdiff.jobs import StopWorkflow
 EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE, EXIT_MISPLACED = 0, 1, 3, 4
 ERROR_FILE = "error.json"  # a handled failure, written by the worker
 ERRORS_FILE = "errors.txt"  # llama.cpp's ERROR-level messages (qdiff.engine.log)
+PROGRESS_FILE = "progress.json"  # a stage's work so far and what it runs now, if it says
 
 
 def retry_token(path: Path | str) -> str | None:
@@ -213,4 +214,8 @@ def _outcome(
     outcome["log"] = str(log_path)
     if outcome["kind"] in ("crash", "timeout") and outcome["error_lines"]:
         outcome["message"] += f" ({outcome['error_lines'][-1]})"
+    if outcome["kind"] in ("crash", "timeout") and (attempt / PROGRESS_FILE).exists():
+        progress = read_json(attempt / PROGRESS_FILE)  # what it had done, and where it was
+        outcome["message"] += f", in {progress['current']}"
+        outcome["progress"] = progress
     return outcome

@@ -11,6 +11,7 @@ this process alone; the parent (qdiff.engine.stage) records it. On success it wr
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,16 @@ import numpy as np
 from qdiff.core import records
 from qdiff.core.forced import ForcedRecorder, digest
 from qdiff.core.io import load_arrays, read_json, save_array, save_arrays, write_json
+from qdiff.core.serving import Case
 from qdiff.core.settings import DeviceSettings
-from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, STAGES
+from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES
 from qdiff.engine import provenance
 from qdiff.engine.capture import TensorCapture
 from qdiff.engine.devices import backend_devices, devices_for_backend, system_info
 from qdiff.engine.llamalog import parse_placement, placement_problem
 from qdiff.engine.log import LlamaLog, init_backend
 from qdiff.engine.model import ContextError, Generation, LoadedModel, ModelLoadError
+from qdiff.engine.serving import Decoded, Needle, compare_steps, reference, run_case
 from qdiff.engine.stage import (
     ERROR_FILE,
     ERRORS_FILE,
@@ -35,6 +38,7 @@ from qdiff.engine.stage import (
     EXIT_MISPLACED,
     EXIT_OK,
     EXIT_UNAVAILABLE,
+    PROGRESS_FILE,
 )
 
 # what a stage's function returns: its record, and its data file's array (.npy) or arrays (.npz)
@@ -363,17 +367,160 @@ def _decode_idle(loaded: LoadedModel, capturer: TensorCapture, tokens: list[int]
         loaded.extend(tokens)
 
 
+def serve(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
+    """Serving conditions (qdiff.engine.serving): each needle decoded alone (the reference),
+    then under every case, compared step by step. A case that fails is recorded as failed
+    and the others run; after each case, what is done so far goes to the progress file, so
+    that a crash names the case it happened in and keeps the cases before it."""
+    settings = spec["serving"]
+    device = DeviceSettings.from_config(spec["settings"])
+    cases = [Case(**{k: v for k, v in c.items() if k != "label"}) for c in settings["cases"]]
+    own_run = read_json(Path(spec["inputs"]["own_run"]))
+    loaded, prov = _load(spec, log)
+    rows: dict[str, list[dict[str, Any]]] = {c.id: [] for c in cases}
+    reference_s = 0.0
+    with loaded:
+        needles = _needles(loaded, spec, max(c.others for c in cases))
+        for pid, needle in needles.items():
+            start = time.perf_counter()
+            alone = reference(loaded, device, needle)
+            reference_s += time.perf_counter() - start
+            for case in cases:
+                _progress(spec, rows, f"case {case.id}, prompt {pid}")
+                start = time.perf_counter()
+                row = _served(loaded, device, case, needle, alone, own_run, pid)
+                rows[case.id].append(
+                    {"id": pid, **row, "seconds": round(time.perf_counter() - start, 4)}
+                )
+                _report_case(case, rows[case.id][-1])
+        load_s = loaded.load_seconds
+    arrays = _step_arrays(cases, rows, len(needles), settings["n_tokens"])  # out of the rows
+    record = {
+        **records.record_head(spec, "ok", SERVING.name),
+        "serving": {k: v for k, v in settings.items() if k != "cases"},
+        "cases": [{**c.as_dict(), "prompts": rows[c.id]} for c in cases],
+        # a case's seconds: its contexts, prefills and decoding; the references' likewise
+        "timings": {"load_s": round(load_s, 4), "references_s": round(reference_s, 4)},
+        "provenance": prov,
+    }
+    return record, arrays
+
+
+def _needles(loaded: LoadedModel, spec: dict[str, Any], most: int) -> dict[str, Needle]:
+    """Each needle's tokens, the ``most`` other prompts that join it (the other prompts in
+    order, again from the first when there are fewer), and its tokens padded to
+    long_prompt_tokens with the other prompts before it."""
+    settings, generation = spec["serving"], spec["generation"]
+    tokens = {
+        p["id"]: loaded.prompt_tokens(p["text"], generation["chat_template"])
+        for p in spec["prompts"]
+    }
+    needles = {}
+    for pid in settings["prompts"]:
+        others = [t for other, t in tokens.items() if other != pid] or [tokens[pid]]
+        joined = [others[i % len(others)] for i in range(most)]
+        padding: list[int] = []
+        for k in range(10**6):  # bounded: every prompt has a token (the BOS at least)
+            if len(padding) + len(tokens[pid]) >= settings["long_prompt_tokens"]:
+                break
+            padding += others[k % len(others)]
+        needles[pid] = Needle(
+            tokens=tokens[pid],
+            others=joined,
+            long_tokens=padding + tokens[pid],
+            n_steps=settings["n_tokens"],
+            n_ctx=generation["n_ctx"],
+        )
+    return needles
+
+
+def _served(
+    loaded: LoadedModel,
+    device: DeviceSettings,
+    case: Case,
+    needle: Needle,
+    alone: Decoded,
+    own_run: dict[str, Any],
+    pid: str,
+) -> dict[str, Any]:
+    """One case of one needle, compared with its reference; a failure is this case's."""
+    if case.kind == "process":
+        return _against_own_run(alone, own_run, pid)
+    if case.kind == "threads" and device.threads == case.threads:
+        return {"status": "n/a", "reason": f"the device already runs {case.threads} thread"}
+    try:
+        served, own_reference = run_case(loaded, device, case, needle)
+    except Exception as exc:  # this case's failure, recorded; the other cases run
+        return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+    result = compare_steps(own_reference or alone, served)
+    return {"status": "ok", **result, "text": loaded.detokenize(served.tokens)}
+
+
+def _against_own_run(alone: Decoded, own_run: dict[str, Any], pid: str) -> dict[str, Any]:
+    """The reference against the run stage's own process: its first step (by digest) and
+    its greedy tokens, as far as both go."""
+    if own_run["status"] != "ok":
+        return {"status": "n/a", "reason": f"the run is {own_run['status']}"}
+    run = next((p for p in own_run["prompts"] if p["id"] == pid), None)
+    if run is None:
+        return {"status": "n/a", "reason": "the run left this prompt out"}
+    n = min(len(run["tokens"]), len(alone.tokens))
+    fork = next((i for i in range(n) if run["tokens"][i] != alone.tokens[i]), None)
+    first_same = digest(alone.logits[0]) == run["first_logits_digest"]
+    return {
+        "status": "ok",
+        "n_steps": n,
+        "first_step_identical": first_same,
+        "first_differing_step": None if first_same else 0,
+        "fork_step": fork,
+        "tokens": run["tokens"][:n],
+    }
+
+
+def _report_case(case: Case, row: dict[str, Any]) -> None:
+    if row["status"] != "ok":
+        said = f"{row['status']}: {row['reason']}"
+    elif row.get("first_differing_step") is None and row.get("fork_step") is None:
+        said = f"bit-identical over {row['n_steps']} steps"
+    else:
+        said = f"differs from step {row['first_differing_step']}, fork {row['fork_step']}"
+    print(f"[qdiff] serving {case.id} {row['id']}: {said}", file=sys.stderr, flush=True)
+
+
+def _progress(spec: dict[str, Any], rows: dict[str, list[dict[str, Any]]], current: str) -> None:
+    """What is done, and what runs now: read by the supervisor if this process dies."""
+    if "progress_file" in spec:
+        progress = {"current": current, "done": rows, "serving": spec["serving"]}
+        write_json(Path(spec["progress_file"]), progress)
+
+
+def _step_arrays(
+    cases: list[Case], rows: dict[str, list[dict[str, Any]]], n_prompts: int, n_steps: int
+) -> dict[str, np.ndarray]:
+    """Per case, needle and step: max |Δ| and KL against the reference (NaN where not
+    compared: after a fork, after the text ended, in a case that did not run)."""
+    shape = (len(cases), n_prompts, n_steps)
+    arrays = {"max_abs": np.full(shape, np.nan), "kl": np.full(shape, np.nan)}
+    for i, case in enumerate(cases):
+        for j, row in enumerate(rows[case.id]):
+            for name, key in (("max_abs", "step_max_abs"), ("kl", "step_kl")):
+                values = row.pop(key, [])
+                arrays[name][i, j, : len(values)] = values
+    return arrays
+
+
 # what each stage of qdiff.core.stages runs (tests/test_stages.py: one function a stage)
 STAGE_FUNCTIONS: dict[str, Callable[[dict[str, Any], LlamaLog], StageOutput]] = {
     RUN.name: generate,
     FORCED.name: force,
     CAPTURE.name: capture,
+    SERVING.name: serve,
 }
 
 
 def main(argv: list[str]) -> int:
     spec_path, out = Path(argv[0]), Path(argv[1])
-    spec = read_json(spec_path)
+    spec = {**read_json(spec_path), "progress_file": str(out / PROGRESS_FILE)}
     stage = STAGES[spec["stage"]]  # an unknown stage fails here, loudly
     log = init_backend(out / ERRORS_FILE)
     try:
