@@ -190,18 +190,19 @@ def recorded_inference(workdir: Path) -> tuple[float, int]:
 
 def serving_overhead(workdir: Path) -> None:
     """The serving stage against the decoding it exists for: each job's wall time over the
-    seconds its cases and references took (contexts, prefills, decoding, as the worker
-    timed them); the rest is the process, one model load, tokenizing and the record."""
+    seconds its references and cases decoded (contexts, prefills, greedy steps, as the
+    worker timed them); the rest is qdiff's: the process, one model load, tokenizing, the
+    step-by-step comparisons and the record."""
     from qdiff.core.stages import SERVING
 
-    wall = decoding = 0.0
+    wall = decoding = comparing = 0.0
     records = [json.loads(p.read_text()) for p in (workdir / SERVING.folder).rglob("record.json")]
     ok = [r for r in records if r["status"] == "ok"]
     for record in ok:
+        rows = [row for case in record["cases"] for row in case["prompts"]]
         wall += record["timings"]["stage_wall_s"]
-        decoding += record["timings"]["references_s"] + sum(
-            row["seconds"] for case in record["cases"] for row in case["prompts"]
-        )
+        decoding += record["timings"]["references_s"] + sum(r.get("decode_s", 0) for r in rows)
+        comparing += sum(r.get("compare_s", 0) for r in rows)
     if not ok:
         print("  serving stage: no ok serving record (is serving enabled in the config?)")
         return
@@ -211,7 +212,8 @@ def serving_overhead(workdir: Path) -> None:
         "x",
         1.10,
         "lower",
-        f"{len(ok)} jobs: {wall:.1f} s of stage wall time, {decoding:.1f} s of cases",
+        f"{len(ok)} jobs: {wall:.1f} s of stage wall time, {decoding:.1f} s decoding, "
+        f"{comparing:.1f} s comparing",
     )
 
 

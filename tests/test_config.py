@@ -201,8 +201,16 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
             "config.serving.prompts: 'nope' is not a prompt id",
         ),
         (
-            changed(serving={"cases": ["batch"], "others": []}),
-            "config.serving: no case to run (cases, others or n_ubatch is empty)",
+            changed(serving={"cases": ["repeat", "batch"], "others": []}),
+            "config.serving.others: empty, so the batch cases would not run",
+        ),
+        (
+            changed(serving={"n_ubatch": []}),
+            "config.serving.n_ubatch: empty, so the ubatch cases would not run",
+        ),
+        (
+            changed(serving={"cases": []}),
+            "config.serving.cases: empty; set enabled: false to run none",
         ),
         (
             changed(serving={"cases": ["batched"]}),

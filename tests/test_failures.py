@@ -157,7 +157,7 @@ def test_the_report_renders_with_a_failure_in_every_stage(broken) -> None:
         assert rows and any(re.search(reason, row) for row in rows), (model, rows)
     # the f32 copy of the truncated file failed to be made: every stage that needs it says so
     assert re.search(
-        r"`truncated`\s+\| `cpu.f32`\s+\| run, teacher forcing, capture\s+\| failed\s+\| "
+        r"`truncated`\s+\| `cpu.f32`\s+\| run, teacher forcing, capture, serving\s+\| failed\s+\| "
         r"model file truncated.dequant-f32.gguf is missing",
         table,
     )
@@ -397,8 +397,8 @@ def test_model_bytes_replaced_behind_qdiffs_back_are_made_again(healthy: Workspa
     assert re.search(r"remake: bytes changed to sha256 [0-9a-f]{64}", said), said[-3000:]
     assert model.read_bytes() == original  # fetched again, before anything read it
     assert (healthy.root / "results/runs/good/cpu/none/record.json").read_bytes() == record
-    # the 2 runs, 2 forced passes, 2 captures and the exact reference
-    assert said.count("kept its outputs") == 7
+    # the 2 runs, 2 forced passes, 2 captures, 2 serving jobs and the exact reference
+    assert said.count("kept its outputs") == 9
     assert "Nothing to be done" in healthy.snakemake("--dry-run").stdout
 
 

@@ -78,6 +78,10 @@ def test_every_case_runs_and_the_repeats_are_bit_identical(served: Workspace) ->
         assert row["status"] == "ok" and row["fork_step"] is None, row
         assert row["first_differing_step"] is None, row
     assert all(len(rows) == 2 for rows in by_case.values())  # the two needles
+    for case, rows in by_case.items():  # every case ran, and compared every step it decoded
+        if case not in ("process", "threads-1"):
+            assert all(r["status"] == "ok" and r["n_steps"] == len(r["tokens"]) for r in rows)
+            assert all(r["decode_s"] > 0 and r["compare_s"] >= 0 for r in rows), rows
     # the device runs one thread: nothing to compare the threads case with
     assert {r["status"] for r in by_case["threads-1"]} == {"n/a"}
 
@@ -140,17 +144,18 @@ def test_a_case_killed_keeps_the_cases_before_it_and_the_threads_case_runs(
     crashed = record(workspace, "cpu", "none")
     assert crashed["status"] == "failed", crashed
     assert "SIGKILL" in crashed["error"]["message"], crashed["error"]
-    assert crashed["error"]["message"].endswith("in case threads-1, prompt rust"), crashed
-    done = crashed["error"]["progress"]["done"]  # the first needle, in every case before
-    assert [len(rows) for rows in done.values()] == [1] * 8 + [0], done
+    assert crashed["error"]["message"].endswith(", in case threads-1"), crashed
+    done = crashed["error"]["progress"]["done"]  # both needles, in every case before
+    assert [len(rows) for rows in done.values()] == [2] * 8, done
     section = serving_section(workspace)
     map_row = next(line for line in section if line.startswith("| `cpu.none`"))
-    assert "= (1/1, " in map_row and "crashed" in map_row, map_row
+    assert "= (2/2, " in map_row and "crashed" in map_row, map_row
     assert any("`cpu.none` `threads-1`: " in line and "SIGKILL" in line for line in section)
 
     workspace.snakemake()  # the failed record carries a fresh token: run again
     threads = cases(record(workspace, "cpu", "none"))["threads-1"]
     assert [r["status"] for r in threads] == ["ok", "ok"], threads
+    assert all(r["prompt_tokens"] >= 300 for r in threads), threads
     # the prefill is thread-invariant here; decoding one query row over 512 cells or more,
     # flash attention splits the KV range among the threads: the first decoded step differs
     assert [r["first_differing_step"] for r in threads] == [1, 1], threads

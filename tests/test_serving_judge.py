@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import pytest
+
+from qdiff.engine.serving import Decoded, compare_steps
 from qdiff.judge.serving import case_table, deterministic, stable_cases, summarise
 
 
@@ -70,3 +74,29 @@ def test_the_settings_and_cases_that_stay_bit_identical() -> None:
     table = case_table(records)
     assert deterministic(records, table) == {"cpu": [], "cuda": ["cuda.none"]}
     assert stable_cases(records, table) == {"cpu": ["repeat"], "cuda": ["repeat"]}
+
+
+def test_steps_compare_bit_for_bit_up_to_the_fork() -> None:
+    """compare_steps on hand-made logits: bit-identity by bytes (-0.0 is not 0.0), max |Δ|
+    and KL(reference ‖ served) in float64, and nothing compared after the fork."""
+    rng = np.random.default_rng(0)
+    steps = [rng.normal(size=50).astype(np.float32) for _ in range(4)]
+    for s in steps:
+        s[3], s[10] = 10.0, 0.0  # token 3 wins every step
+    moved = [s.copy() for s in steps]
+    moved[0][10] = -0.0  # equal as numbers, other bits
+    moved[1][7] += 1e-3
+    moved[2][5] = 20.0  # the served text forks here
+    reference = Decoded([3, 3, 3, 3], steps)
+    served = Decoded([3, 3, 5, 3], moved)
+    result = compare_steps(reference, served)
+    assert result["first_differing_step"] == 0 and result["fork_step"] == 2
+    assert result["n_steps"] == 3 and result["identical_steps"] == 0  # step 3 not compared
+    assert result["step_max_abs"][0] == 0.0 and result["step_kl"][0] == 0.0
+    assert result["step_max_abs"][1] == pytest.approx(1e-3, rel=1e-3)
+    p, q = (
+        np.exp(x.astype(np.float64)) / np.exp(x.astype(np.float64)).sum()
+        for x in (steps[1], moved[1])
+    )
+    assert result["step_kl"][1] == pytest.approx(float(np.sum(p * np.log(p / q))), rel=1e-9)
+    assert result["step_kl"][2] > 0.1  # the fork step is compared, and it moved a lot

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.workflow
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Workspace:
-    """One complete run of the tiny matrix: 2 models x 2 CPU devices x (none, f32)."""
+    """One complete run of the tiny matrix: 2 models x 2 CPU devices x (none, f32), every
+    stage on (serving with two of its cases)."""
     ws = Workspace(tmp_path_factory.mktemp("finished") / "ws")
-    ws.write_config(tiny_config(tiny_gguf))
+    ws.write_config(tiny_config(tiny_gguf, serving={"n_tokens": 4, "cases": ["repeat", "batch"]}))
     ws.snakemake()
     return ws
 
@@ -279,6 +280,7 @@ def test_adding_a_model_runs_only_that_model(
         run_combination=4,
         forced_combination=4,
         capture_combination=4,
+        serving_combination=4,
         compare_model=1,
         localise_model=1,
         exact_reference=1,
@@ -299,7 +301,7 @@ def test_changing_one_device_reruns_only_its_runs_and_pairs(
     assert {j.wildcards["device"] for j in runs} == {"cpu-fa"}
     assert len(runs) == 4  # 2 models x 2 dequant modes
     assert by_rule(jobs)["compare_model"] == 2  # one per model
-    for rule in ("forced_combination", "capture_combination"):
+    for rule in ("forced_combination", "capture_combination", "serving_combination"):
         again = [j for j in jobs if j.rule == rule]
         assert {j.wildcards["device"] for j in again} == {"cpu-fa"} and len(again) == 4
     assert by_rule(jobs)["localise_model"] == 2
@@ -332,10 +334,12 @@ def test_changing_prompts_or_token_count_reruns_runs(
     change(config)
     ws.write_config(config)
     counts = by_rule(ws.planned_jobs())
-    # a capture covers one prompt's forward pass, so it does not rerun
+    # a capture covers one prompt's forward pass, so it does not rerun; a serving job reads
+    # its run's record (the process case) and the other prompts (a batch's others)
     assert counts == Counter(
         run_combination=8,
         forced_combination=8,
+        serving_combination=8,
         compare_model=2,
         localise_model=2,
         report=1,

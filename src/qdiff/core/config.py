@@ -538,11 +538,11 @@ def _check_serving(
     for pid in serving["prompts"]:
         if known and pid not in known:
             problems.append(f"config.serving.prompts: {pid!r} is not a prompt id")
-    if serving["enabled"] and not serving_cases(serving):
-        problems.append(
-            "config.serving: no case to run (cases, others or n_ubatch is empty); "
-            "set enabled: false to run none"
-        )
+    for kind, key in (("batch", "others"), ("staggered", "others"), ("ubatch", "n_ubatch")):
+        if kind in serving["cases"] and not serving[key]:
+            problems.append(f"config.serving.{key}: empty, so the {kind} cases would not run")
+    if serving["enabled"] and not serving["cases"]:
+        problems.append("config.serving.cases: empty; set enabled: false to run none")
 
 
 def validate(

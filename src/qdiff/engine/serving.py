@@ -12,12 +12,14 @@ whose greedy tokens differ (the fork): after it the two decode different texts.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from qdiff.core.forced import digest
 from qdiff.core.serving import Case
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.bindings import llama_cpp
@@ -96,6 +98,15 @@ class Decoded:
 
     tokens: list[int]
     logits: list[np.ndarray]
+    _log_probs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def log_probs(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """A step's log-softmax and softmax in float64, computed once: a reference is
+        compared with every case."""
+        if step not in self._log_probs:
+            log_p = _log_softmax(self.logits[step])
+            self._log_probs[step] = log_p, np.exp(log_p)
+        return self._log_probs[step]
 
 
 def decode_together(
@@ -128,9 +139,43 @@ class Needle:
 
     tokens: list[int]
     others: list[list[int]]  # other prompts' tokens, in the order they join
-    long_tokens: list[int]  # padded to long_prompt_tokens (the threads case)
+    long_tokens: list[int]  # one user turn padded to long_prompt_tokens (the threads case)
     n_steps: int
     n_ctx: int  # cells per sequence, as the run's context has
+
+    def cells(self, *prompts: list[int]) -> int:
+        """Cells per sequence for a slot holding these prompts: the run's n_ctx, or more
+        where the longest prompt and its decoded steps need more."""
+        return max(self.n_ctx, max(map(len, prompts)) + self.n_steps)
+
+
+def needles(loaded: LoadedModel, spec: dict[str, Any], most: int) -> dict[str, Needle]:
+    """Each needle's tokens; the ``most`` other prompts that join it (the other prompts
+    in order, again from the first when there are fewer); and, for the threads case, one
+    user turn of the other prompts' texts then the needle's, of at least
+    long_prompt_tokens tokens."""
+    settings, generation = spec["serving"], spec["generation"]
+    chat = generation["chat_template"]
+    texts = {p["id"]: p["text"] for p in spec["prompts"]}
+    tokens = {pid: loaded.prompt_tokens(text, chat) for pid, text in texts.items()}
+    made = {}
+    for pid in settings["prompts"]:
+        others = [other for other in texts if other != pid] or [pid]
+        long_text, k = texts[pid], 0
+        while (
+            len(long_tokens := loaded.prompt_tokens(long_text, chat))
+            < settings["long_prompt_tokens"]
+        ):
+            long_text = f"{texts[others[k % len(others)]]}\n\n{long_text}"
+            k += 1
+        made[pid] = Needle(
+            tokens=tokens[pid],
+            others=[tokens[others[i % len(others)]] for i in range(most)],
+            long_tokens=long_tokens,
+            n_steps=settings["n_tokens"],
+            n_ctx=generation["n_ctx"],
+        )
+    return made
 
 
 def reference(loaded: LoadedModel, device: DeviceSettings, needle: Needle) -> Decoded:
@@ -141,8 +186,7 @@ def reference(loaded: LoadedModel, device: DeviceSettings, needle: Needle) -> De
 def _alone(
     loaded: LoadedModel, device: DeviceSettings, tokens: list[int], needle: Needle
 ) -> Decoded:
-    n_ctx = max(needle.n_ctx, len(tokens) + needle.n_steps)
-    with Slots(loaded, device, 1, n_ctx, kv_unified=False) as slots:
+    with Slots(loaded, device, 1, needle.cells(tokens), kv_unified=False) as slots:
         return decode_together(slots, 0, slots.decode([(0, tokens)]), needle.n_steps, loaded.is_eog)
 
 
@@ -170,7 +214,9 @@ def _batched(loaded: LoadedModel, device: DeviceSettings, case: Case, needle: Ne
     or (staggered) after them; then all decoded together."""
     others = needle.others[: case.others]
     n = len(others)
-    with Slots(loaded, device, n + 1, needle.n_ctx, case.kv_unified) as slots:
+    with Slots(
+        loaded, device, n + 1, needle.cells(needle.tokens, *others), case.kv_unified
+    ) as slots:
         feeds = list(enumerate(others))
         if case.kind == "staggered":
             first = slots.decode(feeds) | slots.decode([(n, needle.tokens)])
@@ -185,7 +231,7 @@ def _prefix(loaded: LoadedModel, device: DeviceSettings, needle: Needle) -> Deco
     half = len(needle.tokens) // 2
     if half == 0:
         raise ValueError("the prompt has one token: it has no prefix to share")
-    with Slots(loaded, device, 2, needle.n_ctx, kv_unified=True) as slots:
+    with Slots(loaded, device, 2, needle.cells(needle.tokens), kv_unified=True) as slots:
         slots.decode([(1, needle.tokens[:half])])
         slots.share_prefix(1, 0, half)
         first = slots.decode([(0, needle.tokens[half:])])
@@ -201,9 +247,9 @@ def compare_steps(reference: Decoded, served: Decoded) -> dict[str, Any]:
     fork = None
     for i in range(n):
         a, b = reference.logits[i], served.logits[i]
-        identical.append(bool(np.array_equal(a, b)))
-        max_abs.append(float(np.abs(a - b).max()))
-        kl.append(_kl(a, b))
+        identical.append(a.tobytes() == b.tobytes())  # bits: -0.0 is not 0.0, NaN is NaN
+        max_abs.append(0.0 if identical[-1] else float(np.abs(a - b).max()))
+        kl.append(0.0 if identical[-1] else _kl(reference, served, i))
         if reference.tokens[i] != served.tokens[i]:
             fork = i
             break
@@ -224,8 +270,82 @@ def compare_steps(reference: Decoded, served: Decoded) -> dict[str, Any]:
     }
 
 
-def _kl(a: np.ndarray, b: np.ndarray) -> float:
-    """KL(softmax a ‖ softmax b), in float64."""
-    la = a.astype(np.float64) - np.logaddexp.reduce(a.astype(np.float64))
-    lb = b.astype(np.float64) - np.logaddexp.reduce(b.astype(np.float64))
-    return float(max(np.sum(np.exp(la) * (la - lb)), 0.0))
+def _kl(reference: Decoded, served: Decoded, step: int) -> float:
+    """KL(reference ‖ served) at one step, over the full vocabulary, in float64."""
+    log_p, p = reference.log_probs(step)
+    return float(max(np.dot(p, log_p - _log_softmax(served.logits[step])), 0.0))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64)
+    shifted -= shifted.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def serve_case(
+    loaded: LoadedModel,
+    device: DeviceSettings,
+    case: Case,
+    needle: Needle,
+    alone: Decoded,
+    own_run: dict[str, Any],
+    pid: str,
+) -> dict[str, Any]:
+    """One case of one needle, compared with its reference, timed apart from the
+    comparison; a failure is this case's."""
+    row: dict[str, Any] = {"id": pid}
+    if case.kind == "process":
+        return row | against_own_run(alone, own_run, pid)
+    if case.kind == "threads" and device.threads == case.threads:
+        return row | {"status": "n/a", "reason": f"the device already runs {case.threads} thread"}
+    start = time.perf_counter()
+    try:
+        served, own_reference = run_case(loaded, device, case, needle)
+    except Exception as exc:  # this case's failure, recorded; the other cases run
+        return row | {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+    decoded = time.perf_counter()
+    result = compare_steps(own_reference or alone, served)
+    row |= {"status": "ok", **result, "text": loaded.detokenize(served.tokens)}
+    if case.kind == "threads":
+        row["prompt_tokens"] = len(needle.long_tokens)
+        if result["n_steps"] < 2:  # the text ended at once: no decoded step to compare
+            row |= {"status": "n/a", "reason": "the long prompt's answer ended at its first token"}
+    compared = time.perf_counter()
+    return row | {"decode_s": round(decoded - start, 4), "compare_s": round(compared - decoded, 4)}
+
+
+def against_own_run(alone: Decoded, own_run: dict[str, Any], pid: str) -> dict[str, Any]:
+    """The reference against the run stage's own process: its first step's logits (by
+    digest: the run keeps no later step's) and its greedy tokens, as far as both go."""
+    if own_run["status"] != "ok":
+        return {"status": "n/a", "reason": f"the run is {own_run['status']}"}
+    run = next((p for p in own_run["prompts"] if p["id"] == pid), None)
+    if run is None:
+        return {"status": "n/a", "reason": "the run left this prompt out"}
+    n = min(len(run["tokens"]), len(alone.tokens))
+    fork = next((i for i in range(n) if run["tokens"][i] != alone.tokens[i]), None)
+    first_same = digest(alone.logits[0]) == run["first_logits_digest"]
+    return {
+        "status": "ok",
+        "n_steps": 1,  # steps whose logits were compared
+        "tokens_compared": n,
+        "first_differing_step": None if first_same else 0,
+        "fork_step": fork,
+        "tokens": run["tokens"][:n],
+    }
+
+
+def step_arrays(
+    cases: list[Case], rows: dict[str, list[dict[str, Any]]], n_prompts: int, n_steps: int
+) -> dict[str, np.ndarray]:
+    """Per case, needle and step: max |Δ| and KL against the reference (NaN where not
+    compared: after a fork, after the text ended, in a case that did not run); the rows
+    give up their step lists to these arrays."""
+    shape = (len(cases), n_prompts, n_steps)
+    arrays = {"max_abs": np.full(shape, np.nan), "kl": np.full(shape, np.nan)}
+    for i, case in enumerate(cases):
+        for j, row in enumerate(rows[case.id]):
+            for name, key in (("max_abs", "step_max_abs"), ("kl", "step_kl")):
+                values = row.pop(key, [])
+                arrays[name][i, j, : len(values)] = values
+    return arrays

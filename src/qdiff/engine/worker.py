@@ -24,13 +24,12 @@ from qdiff.core.io import load_arrays, read_json, save_array, save_arrays, write
 from qdiff.core.serving import Case
 from qdiff.core.settings import DeviceSettings
 from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES
-from qdiff.engine import provenance
+from qdiff.engine import provenance, serving
 from qdiff.engine.capture import TensorCapture
 from qdiff.engine.devices import backend_devices, devices_for_backend, system_info
 from qdiff.engine.llamalog import parse_placement, placement_problem
 from qdiff.engine.log import LlamaLog, init_backend
 from qdiff.engine.model import ContextError, Generation, LoadedModel, ModelLoadError
-from qdiff.engine.serving import Decoded, Needle, compare_steps, reference, run_case
 from qdiff.engine.stage import (
     ERROR_FILE,
     ERRORS_FILE,
@@ -369,112 +368,39 @@ def _decode_idle(loaded: LoadedModel, capturer: TensorCapture, tokens: list[int]
 
 def serve(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     """Serving conditions (qdiff.engine.serving): each needle decoded alone (the reference),
-    then under every case, compared step by step. A case that fails is recorded as failed
-    and the others run; after each case, what is done so far goes to the progress file, so
-    that a crash names the case it happened in and keeps the cases before it."""
+    then every case for every needle, compared step by step. A case that fails is recorded
+    as failed and the others run; before each case, what is done so far goes to the
+    progress file, so that a crash names the case it happened in and keeps the cases
+    before it whole."""
     settings = spec["serving"]
     device = DeviceSettings.from_config(spec["settings"])
     cases = [Case(**{k: v for k, v in c.items() if k != "label"}) for c in settings["cases"]]
     own_run = read_json(Path(spec["inputs"]["own_run"]))
     loaded, prov = _load(spec, log)
-    rows: dict[str, list[dict[str, Any]]] = {c.id: [] for c in cases}
-    reference_s = 0.0
+    rows: dict[str, list[dict[str, Any]]] = {}
     with loaded:
-        needles = _needles(loaded, spec, max(c.others for c in cases))
-        for pid, needle in needles.items():
-            start = time.perf_counter()
-            alone = reference(loaded, device, needle)
-            reference_s += time.perf_counter() - start
-            for case in cases:
-                _progress(spec, rows, f"case {case.id}, prompt {pid}")
-                start = time.perf_counter()
-                row = _served(loaded, device, case, needle, alone, own_run, pid)
-                rows[case.id].append(
-                    {"id": pid, **row, "seconds": round(time.perf_counter() - start, 4)}
-                )
-                _report_case(case, rows[case.id][-1])
+        needles = serving.needles(loaded, spec, max(c.others for c in cases))
+        start = time.perf_counter()
+        alone = {pid: serving.reference(loaded, device, n) for pid, n in needles.items()}
+        references_s = time.perf_counter() - start
+        for case in cases:
+            _progress(spec, rows, case)
+            rows[case.id] = []
+            for pid, needle in needles.items():
+                row = serving.serve_case(loaded, device, case, needle, alone[pid], own_run, pid)
+                rows[case.id].append(row)
+                _report_case(case, row)
         load_s = loaded.load_seconds
-    arrays = _step_arrays(cases, rows, len(needles), settings["n_tokens"])  # out of the rows
+    arrays = serving.step_arrays(cases, rows, len(needles), settings["n_tokens"])
     record = {
         **records.record_head(spec, "ok", SERVING.name),
         "serving": {k: v for k, v in settings.items() if k != "cases"},
         "cases": [{**c.as_dict(), "prompts": rows[c.id]} for c in cases],
-        # a case's seconds: its contexts, prefills and decoding; the references' likewise
-        "timings": {"load_s": round(load_s, 4), "references_s": round(reference_s, 4)},
+        # each case row has its decode_s (contexts, prefills, decoding) and compare_s
+        "timings": {"load_s": round(load_s, 4), "references_s": round(references_s, 4)},
         "provenance": prov,
     }
     return record, arrays
-
-
-def _needles(loaded: LoadedModel, spec: dict[str, Any], most: int) -> dict[str, Needle]:
-    """Each needle's tokens, the ``most`` other prompts that join it (the other prompts in
-    order, again from the first when there are fewer), and its tokens padded to
-    long_prompt_tokens with the other prompts before it."""
-    settings, generation = spec["serving"], spec["generation"]
-    tokens = {
-        p["id"]: loaded.prompt_tokens(p["text"], generation["chat_template"])
-        for p in spec["prompts"]
-    }
-    needles = {}
-    for pid in settings["prompts"]:
-        others = [t for other, t in tokens.items() if other != pid] or [tokens[pid]]
-        joined = [others[i % len(others)] for i in range(most)]
-        padding: list[int] = []
-        for k in range(10**6):  # bounded: every prompt has a token (the BOS at least)
-            if len(padding) + len(tokens[pid]) >= settings["long_prompt_tokens"]:
-                break
-            padding += others[k % len(others)]
-        needles[pid] = Needle(
-            tokens=tokens[pid],
-            others=joined,
-            long_tokens=padding + tokens[pid],
-            n_steps=settings["n_tokens"],
-            n_ctx=generation["n_ctx"],
-        )
-    return needles
-
-
-def _served(
-    loaded: LoadedModel,
-    device: DeviceSettings,
-    case: Case,
-    needle: Needle,
-    alone: Decoded,
-    own_run: dict[str, Any],
-    pid: str,
-) -> dict[str, Any]:
-    """One case of one needle, compared with its reference; a failure is this case's."""
-    if case.kind == "process":
-        return _against_own_run(alone, own_run, pid)
-    if case.kind == "threads" and device.threads == case.threads:
-        return {"status": "n/a", "reason": f"the device already runs {case.threads} thread"}
-    try:
-        served, own_reference = run_case(loaded, device, case, needle)
-    except Exception as exc:  # this case's failure, recorded; the other cases run
-        return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
-    result = compare_steps(own_reference or alone, served)
-    return {"status": "ok", **result, "text": loaded.detokenize(served.tokens)}
-
-
-def _against_own_run(alone: Decoded, own_run: dict[str, Any], pid: str) -> dict[str, Any]:
-    """The reference against the run stage's own process: its first step (by digest) and
-    its greedy tokens, as far as both go."""
-    if own_run["status"] != "ok":
-        return {"status": "n/a", "reason": f"the run is {own_run['status']}"}
-    run = next((p for p in own_run["prompts"] if p["id"] == pid), None)
-    if run is None:
-        return {"status": "n/a", "reason": "the run left this prompt out"}
-    n = min(len(run["tokens"]), len(alone.tokens))
-    fork = next((i for i in range(n) if run["tokens"][i] != alone.tokens[i]), None)
-    first_same = digest(alone.logits[0]) == run["first_logits_digest"]
-    return {
-        "status": "ok",
-        "n_steps": n,
-        "first_step_identical": first_same,
-        "first_differing_step": None if first_same else 0,
-        "fork_step": fork,
-        "tokens": run["tokens"][:n],
-    }
 
 
 def _report_case(case: Case, row: dict[str, Any]) -> None:
@@ -487,26 +413,11 @@ def _report_case(case: Case, row: dict[str, Any]) -> None:
     print(f"[qdiff] serving {case.id} {row['id']}: {said}", file=sys.stderr, flush=True)
 
 
-def _progress(spec: dict[str, Any], rows: dict[str, list[dict[str, Any]]], current: str) -> None:
+def _progress(spec: dict[str, Any], rows: dict[str, list[dict[str, Any]]], current: Case) -> None:
     """What is done, and what runs now: read by the supervisor if this process dies."""
     if "progress_file" in spec:
-        progress = {"current": current, "done": rows, "serving": spec["serving"]}
+        progress = {"current": f"case {current.id}", "done": rows, "serving": spec["serving"]}
         write_json(Path(spec["progress_file"]), progress)
-
-
-def _step_arrays(
-    cases: list[Case], rows: dict[str, list[dict[str, Any]]], n_prompts: int, n_steps: int
-) -> dict[str, np.ndarray]:
-    """Per case, needle and step: max |Δ| and KL against the reference (NaN where not
-    compared: after a fork, after the text ended, in a case that did not run)."""
-    shape = (len(cases), n_prompts, n_steps)
-    arrays = {"max_abs": np.full(shape, np.nan), "kl": np.full(shape, np.nan)}
-    for i, case in enumerate(cases):
-        for j, row in enumerate(rows[case.id]):
-            for name, key in (("max_abs", "step_max_abs"), ("kl", "step_kl")):
-                values = row.pop(key, [])
-                arrays[name][i, j, : len(values)] = values
-    return arrays
 
 
 # what each stage of qdiff.core.stages runs (tests/test_stages.py: one function a stage)

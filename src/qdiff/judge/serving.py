@@ -22,6 +22,7 @@ class CaseSummary:
     forked: int = 0  # needles whose text forked
     max_abs: float | None = None  # largest over needles and compared steps
     median_step: float | None = None  # median over the needles of the median step's max |Δ|
+    first_step: float | None = None  # median over the needles of the first step's max |Δ|
     reason: str = ""
 
     @property
@@ -43,6 +44,7 @@ def summarise(case: dict[str, Any]) -> CaseSummary:
     forks = [r["fork_step"] for r in ok if r["fork_step"] is not None]
     moved = [r["max_abs"] for r in ok if "max_abs" in r]
     medians = [r["max_abs_median_step"] for r in ok if r.get("max_abs_median_step") is not None]
+    firsts_moved = [r["max_abs_first_step"] for r in ok if r.get("max_abs_first_step") is not None]
     return CaseSummary(
         "ok",
         n_prompts=len(ok),
@@ -55,6 +57,7 @@ def summarise(case: dict[str, Any]) -> CaseSummary:
         forked=len(forks),
         max_abs=max(moved, default=None),
         median_step=statistics.median(medians) if medians else None,
+        first_step=statistics.median(firsts_moved) if firsts_moved else None,
     )
 
 

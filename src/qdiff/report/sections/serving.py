@@ -55,8 +55,8 @@ def _legend(serving: dict[str, Any], cases: list[dict[str, Any]]) -> str:
         "with the combination's own settings (the reference), then under each case below, and "
         "compared with the reference step by step up to the first step whose tokens differ. "
         "**=** every needle bit-identical at every step (needles, and steps compared over them: a "
-        "text that ends early compares fewer); **Δ from s** the logits differ from "
-        "step s on (max \\|Δ\\| over needles and steps), the texts do not fork; **fork at f** "
+        "text that ends early compares fewer); **Δ from s** the logits first differ "
+        "at step s (max \\|Δ\\| over needles and steps), the texts do not fork; **fork at f** "
         "the greedy text changes at step f (earliest over the needles; k/n needles forked). "
         "Cases: " + "; ".join(f"**{text(k)}**: {text(KINDS[k])}" for k in kinds) + "."
     )
@@ -151,8 +151,7 @@ def _sources(records: list[dict[str, Any]], table_: dict[str, dict[str, CaseSumm
     split_kv = [
         code(f"{r['device']}.{r['dequant']}")
         for r in records
-        if r["settings"]["backend"] == "cpu"
-        and r["settings"]["flash_attn"]
+        if _takes_split_kv(r)
         and (s := table_.get(f"{r['device']}.{r['dequant']}", {}).get("threads-1"))
         and s.status == "ok"
         and not s.bit_identical
@@ -176,6 +175,22 @@ def _sources(records: list[dict[str, Any]], table_: dict[str, dict[str, CaseSumm
     return " ".join(said)
 
 
+def _takes_split_kv(record: dict[str, Any]) -> bool:
+    """Whether the threads case's decoding meets use_split_kv_path's conditions: the CPU's
+    flash attention, K and V in f16 or f32, and a KV view of at least 512 cells, which a
+    prompt of more than 256 tokens gives (the used cells padded to 256, get_n_kv)."""
+    settings = record["settings"]
+    rows: list[dict[str, Any]] = next(
+        (c["prompts"] for c in record.get("cases", []) if c["kind"] == "threads"), []
+    )
+    return (
+        settings["backend"] == "cpu"
+        and bool(settings["flash_attn"])
+        and settings.get("kv_cache_type", "f16") in ("f16", "f32")
+        and all(r.get("prompt_tokens", 0) > 256 for r in rows if r["status"] == "ok")
+    )
+
+
 def _sizes(
     view: ModelView,
     records: list[dict[str, Any]],
@@ -194,33 +209,43 @@ def _sizes(
         if not moved:
             continue
         size, case = max(moved, key=lambda m: m[0])
+        first = by_case[case["id"]].first_step
         nearby = _device_effects(view, label)
         lines.append(
             f"- {code(label)}: {text(case['label'])} moves the logits by max \\|Δ\\| "
-            f"{num(size)} at its median step (median over the needles; steps up to the fork)"
-            + (f"; {nearby}" if nearby else "")
+            f"{num(first)} at the first step and {num(size)} at its median step (medians "
+            "over the needles; steps up to the fork)" + (f"; {nearby}" if nearby else "")
         )
     if not lines:
         return ""
-    return "The largest serving effect of each combination, beside the others:\n\n" + "\n".join(
-        lines
+    return (
+        "The largest serving effect of each combination, beside what changing the device "
+        "or a setting does to the same file (the median over the run's prompts of the "
+        "first step's max \\|Δ\\|; along the text, the teacher-forced comparison's median "
+        "position):\n\n" + "\n".join(lines)
     )
 
 
 def _device_effects(view: ModelView, label: str) -> str:
-    """What changing the device or a setting does to this combination, along the
-    teacher's text (median position's max |Δ|), for pairs on the same file."""
+    """What changing the device or a setting does to this combination, for pairs on the
+    same file: at the first step (median over the prompts of max |Δ|) and, where the
+    teacher-forced comparison ran, along the teacher's text (its median position)."""
     dequant = label.split(".", 1)[1]
-    effects = [
-        (p["forced"]["max_abs_median"], p["a"] if p["b"] == label else p["b"])
-        for p in view.ok_pairs
-        if label in (p["a"], p["b"])
-        and p.get("forced", {}).get("status") == "ok"
-        and p["a"].split(".", 1)[1] == p["b"].split(".", 1)[1] == dequant
-    ]
-    if not effects:
-        return ""
+    effects = []
+    for p in view.ok_pairs:
+        if label not in (p["a"], p["b"]) or p["a"].split(".", 1)[1] != dequant:
+            continue
+        if p["b"].split(".", 1)[1] != dequant:
+            continue
+        forced = p.get("forced") or {}
+        along = (
+            f", {num(forced['max_abs_median'])} along the text"
+            if forced.get("status") == "ok"
+            else ""
+        )
+        other = p["a"] if p["b"] == label else p["b"]
+        effects.append((p["summary"]["max_abs_median"], other, along))
     return ", ".join(
-        f"against {code(other)} it differs by {num(size)} (teacher-forced, median position)"
-        for size, other in sorted(effects, reverse=True)
+        f"against {code(other)} it differs by {num(size)} at the first step{along}"
+        for size, other, along in sorted(effects, reverse=True)
     )
