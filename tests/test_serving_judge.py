@@ -29,7 +29,9 @@ def record(device: str, backend: str, cases: dict[str, list[dict]]) -> dict[str,
         "device": device,
         "dequant": "none",
         "settings": {"backend": backend},
-        "cases": [{"id": cid, "prompts": rows} for cid, rows in cases.items()],
+        "cases": [
+            {"id": cid, "kind": cid.split("-")[0], "prompts": rows} for cid, rows in cases.items()
+        ],
     }
 
 
@@ -100,3 +102,25 @@ def test_steps_compare_bit_for_bit_up_to_the_fork() -> None:
     )
     assert result["step_kl"][1] == pytest.approx(float(np.sum(p * np.log(p / q))), rel=1e-9)
     assert result["step_kl"][2] > 0.1  # the fork step is compared, and it moved a lot
+
+
+def test_the_report_names_every_closest_combination_and_the_split_kv_path_where_it_holds() -> None:
+    """The report section's per-backend lines on hand-written records: a tie for the
+    closest names both; the split-KV sentence needs flash attention and prompts over 256
+    tokens."""
+    from qdiff.report.sections import serving as section
+
+    records = [
+        record("cpu", "cpu", {"repeat": [row()], "threads-1": [row(1)]}),
+        record("cpu-fa", "cpu", {"repeat": [row()], "threads-1": [row(1)]}),
+    ]
+    for r, tokens, flash in zip(records, (400, 400), (False, True), strict=True):
+        r["settings"] |= {"flash_attn": flash, "kv_cache_type": "f16"}
+        r["cases"][1]["prompts"][0]["prompt_tokens"] = tokens
+    table = case_table(records)
+    closest = section._closest(records, table, "cpu")
+    assert "`cpu.none` kept 1 of 2" in closest and "`cpu-fa.none` kept 1 of 2" in closest
+    said = section._sources(records, table)
+    assert "`cpu-fa.none`" in said and "`cpu.none`" not in said and "use_split_kv_path" in said
+    records[1]["cases"][1]["prompts"][0]["prompt_tokens"] = 200  # a 256-cell view: not split
+    assert "use_split_kv_path" not in section._sources(records, case_table(records))

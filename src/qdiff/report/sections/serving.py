@@ -127,22 +127,26 @@ def _deterministic(records: list[dict[str, Any]], table_: dict[str, dict[str, Ca
 def _closest(
     records: list[dict[str, Any]], table_: dict[str, dict[str, CaseSummary]], backend: str
 ) -> str:
-    """The backend's combination with the most bit-identical cases, and the cases it broke:
-    the knobs left to fix for determinism there."""
-    ranked = sorted(
-        (sum(s.bit_identical for s in cases.values()), label, cases)
+    """The backend's combinations with the most bit-identical cases (every one of a tie),
+    and the cases each broke: the knobs left to fix for determinism there."""
+    kept = {
+        label: (sum(s.bit_identical for s in cases.values()), cases)
         for r in records
         if r["settings"]["backend"] == backend
         and (cases := table_.get(label := f"{r['device']}.{r['dequant']}"))
-    )
-    if not ranked:
+    }
+    if not kept:
         return ""
-    n, label, cases = max(ranked, key=lambda item: item[0])
-    broke = [cid for cid, s in cases.items() if s.status != "n/a" and not s.bit_identical]
-    return (
-        f"; the closest, {code(label)}, kept {n} of {n + len(broke)} "
-        f"(all but {', '.join(code(cid) for cid in broke)})"
-    )
+    most = max(n for n, _ in kept.values())
+    closest = []
+    for label, (n, cases) in kept.items():
+        if n == most:
+            broke = [cid for cid, s in cases.items() if s.status != "n/a" and not s.bit_identical]
+            closest.append(
+                f"{code(label)} kept {n} of {n + len(broke)} "
+                f"(all but {', '.join(code(cid) for cid in broke)})"
+            )
+    return "; the closest: " + "; ".join(closest)
 
 
 def _sources(records: list[dict[str, Any]], table_: dict[str, dict[str, CaseSummary]]) -> str:
