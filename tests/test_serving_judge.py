@@ -26,6 +26,7 @@ def row(first: int | None = None, fork: int | None = None, steps: int = 4) -> di
 def record(device: str, backend: str, cases: dict[str, list[dict]]) -> dict[str, Any]:
     return {
         "status": "ok",
+        "model": "m",
         "device": device,
         "dequant": "none",
         "settings": {"backend": backend},
@@ -50,6 +51,7 @@ def test_a_case_summarises_its_needles() -> None:
 def test_a_crashed_record_keeps_its_done_cases_and_names_the_crash() -> None:
     crashed = {
         "status": "failed",
+        "model": "m",
         "device": "cpu",
         "dequant": "none",
         "settings": {"backend": "cpu"},

@@ -8,6 +8,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from qdiff.core.labels import Combination
+
 
 @dataclass(frozen=True)
 class CaseSummary:
@@ -66,7 +68,7 @@ def case_table(records: list[dict[str, Any]]) -> dict[str, dict[str, CaseSummary
     that crashed keeps the cases it finished; the case it was in is ``crashed``."""
     table: dict[str, dict[str, CaseSummary]] = {}
     for r in records:
-        label = f"{r['device']}.{r['dequant']}"
+        label = Combination.from_record(r).label
         if r["status"] == "ok":
             table[label] = {c["id"]: summarise(c) for c in r["cases"]}
             continue
@@ -87,7 +89,7 @@ def deterministic(
     for every needle, with no case failed; an empty list: none was found."""
     found: dict[str, list[str]] = {}
     for r in records:
-        label = f"{r['device']}.{r['dequant']}"
+        label = Combination.from_record(r).label
         found.setdefault(r["settings"]["backend"], [])
         cases = table.get(label)
         if r["status"] != "ok" or not cases:
@@ -105,7 +107,7 @@ def stable_cases(
     backend where they ran (a case n/a on one combination does not count against it)."""
     by_backend: dict[str, list[dict[str, CaseSummary]]] = {}
     for r in records:
-        cases = table.get(f"{r['device']}.{r['dequant']}")
+        cases = table.get(Combination.from_record(r).label)
         if cases:
             by_backend.setdefault(r["settings"]["backend"], []).append(cases)
     stable: dict[str, list[str]] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from qdiff.core.labels import Combination
 from qdiff.core.records import failure_text
 from qdiff.core.serving import KINDS
 from qdiff.core.stages import SERVING
@@ -133,7 +134,7 @@ def _closest(
         label: (sum(s.bit_identical for s in cases.values()), cases)
         for r in records
         if r["settings"]["backend"] == backend
-        and (cases := table_.get(label := f"{r['device']}.{r['dequant']}"))
+        and (cases := table_.get(label := Combination.from_record(r).label))
     }
     if not kept:
         return ""
@@ -153,10 +154,10 @@ def _sources(records: list[dict[str, Any]], table_: dict[str, dict[str, CaseSumm
     """What the source says of a break, where its code path was read and its conditions
     hold; every other difference is only measured."""
     split_kv = [
-        code(f"{r['device']}.{r['dequant']}")
+        code(Combination.from_record(r).label)
         for r in records
         if _takes_split_kv(r)
-        and (s := table_.get(f"{r['device']}.{r['dequant']}", {}).get("threads-1"))
+        and (s := table_.get(Combination.from_record(r).label, {}).get("threads-1"))
         and s.status == "ok"
         and not s.bit_identical
         and (s.first_differing_step or 0) >= 1
