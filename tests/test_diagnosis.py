@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from itertools import combinations
 
+import numpy as np
+
+from qdiff.compare.budget import budget
 from qdiff.core.backends import BACKENDS
-from qdiff.judge.diagnosis import diagnose
+from qdiff.judge.diagnosis import diagnose, fork_sites
 
 WEIGHTS = {
     "none": {"f32": 10, "q4_K": 20, "q8_0": 2},
@@ -199,9 +202,10 @@ def test_forks_are_counted_by_site_and_a_site_is_a_tie_only_if_every_pair_says_s
 
 
 def exact_rows(
-    distances: dict[str, tuple[float, float]], emulated: dict[str, float] | None = None
+    distances: dict[str, tuple[float | list[float], float]], budgets: dict[str, dict] | None = None
 ) -> dict:
-    """A distance-from-exact result: label -> (first-step max |Δ|, forced median max |Δ|)."""
+    """A distance-from-exact result: label -> (first-step max |Δ|, or per prompt, forced
+    median max |Δ|)."""
     return {
         "model": "m",
         "status": "ok",
@@ -209,28 +213,39 @@ def exact_rows(
             {
                 "combination": label,
                 "status": "ok",
-                "first_step": {"max_abs": first},
-                "forced": {"status": "ok", "max_abs_median": forced},
-                **(
-                    {"first_step_vs_cpu_roundings": {"max_abs": emulated[label]}}
-                    if emulated and label in emulated
-                    else {}
+                "first_step": (
+                    {"max_abs": max(first), "max_abs_by_prompt": first}
+                    if isinstance(first, list)
+                    else {"max_abs": first}
                 ),
+                "forced": {"status": "ok", "max_abs_median": forced},
+                **({"budget": budgets[label]} if budgets and label in budgets else {}),
             }
             for label, (first, forced) in distances.items()
         ],
     }
 
 
-def test_the_side_closer_to_exact_is_named_and_disagreements_said() -> None:
+SPREAD = [0.9, 1.0, 1.1, 0.95, 1.05, 1.0, 0.98, 1.02, 0.97, 1.03, 0.99, 1.01]  # 12 prompts
+
+
+def _prompts(scale: float, last: float | None = None) -> list[float]:
+    values = [scale * x for x in SPREAD]
+    return values[:-1] + [last] if last is not None else values
+
+
+def test_a_ranking_that_one_prompt_would_flip_is_decided_over_all_prompts() -> None:
+    """By its worst prompt, `cpu.none` (1.9) looks farther from exact than `cpu-fa.none`
+    (1.65 at most); on the 11 other prompts it is nearer, about 1.0 against 1.5: it is the
+    closer one, with an interval over prompts that excludes 1."""
     devices = {"cpu": {"backend": "cpu"}, "cpu-fa": {"backend": "cpu", "flash_attn": True}}
     records, pairs = matrix(devices, ["none", "f32"], {("cpu.none", "cpu-fa.none"): 1.8})
     exact = exact_rows(
         {
-            "cpu.none": (1.9, 0.7),
-            "cpu-fa.none": (1.5, 0.8),
-            "cpu.f32": (0.025, 0.007),
-            "cpu-fa.f32": (0.02, 0.008),
+            "cpu.none": (_prompts(1.0, last=1.9), 0.7),
+            "cpu-fa.none": (_prompts(1.5, last=1.5), 0.8),
+            "cpu.f32": (_prompts(0.025), 0.007),
+            "cpu-fa.f32": (_prompts(0.02), 0.008),
         }
     )
     found = {
@@ -239,44 +254,85 @@ def test_the_side_closer_to_exact_is_named_and_disagreements_said() -> None:
         if f.rule == "closer-to-exact"
     }
     text = found["`cpu.none` vs `cpu-fa.none`"].text
-    assert "`cpu-fa.none` is 1.27× closer to exact at the first step (max |Δ| 1.5 vs 1.9)" in text
-    assert "along the text it is the other way round: `cpu.none` is closer" in text
+    assert "`cpu.none` is 1.42× closer to exact than `cpu-fa.none` at the first step" in text
+    assert "geometric mean over 12 prompts of the per-prompt ratio of first-step max |Δ|" in text
+    assert "interval 1.28–1.5; worst prompt 1.9 vs 1.65" in text
+    assert "along the text, median max |Δ| over the positions 0.7 vs 0.8" in text
     assert "`cpu.none` vs `cpu-fa.f32`" not in found  # two changes at once: no single question
-    near = found["`cpu.f32` vs `cpu-fa.f32`"].text  # 0.025 vs 0.02: within 25%, a side is named
-    assert "`cpu-fa.f32` is 1.25× closer" in near
+    near = found["`cpu.f32` vs `cpu-fa.f32`"].text  # a constant 1.25 on every prompt
+    assert "`cpu-fa.f32` is 1.25× closer" in near and "interval 1.25–1.25" in near
 
 
-def test_distances_within_ten_percent_name_no_side() -> None:
+def test_distances_no_interval_separates_name_no_side() -> None:
     devices = {"cpu": {"backend": "cpu"}, "cpu-fa": {"backend": "cpu", "flash_attn": True}}
     records, pairs = matrix(devices, ["none"], {("cpu.none", "cpu-fa.none"): 1.8})
-    exact = exact_rows({"cpu.none": (1.48, 0.72), "cpu-fa.none": (1.43, 0.67)})
+    exact = exact_rows({"cpu.none": (_prompts(1.0), 0.72), "cpu-fa.none": (SPREAD[::-1], 0.67)})
     (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "closer-to-exact"]
-    assert (
-        "about as far from exact at the first step (max |Δ| 1.48 vs 1.43, within 10%)" in found.text
-    )
-    assert "is 1.03× closer" not in found.text
+    assert "as far from exact as each other at the first step, on these prompts" in found.text
+    assert "closer" not in found.text
 
 
 def test_a_more_precise_setting_that_is_not_closer_is_said_plainly() -> None:
     devices = {"cpu": {"backend": "cpu"}}
     records, pairs = matrix(devices, ["none", "f32", "f16"], {})
-    exact = exact_rows({"cpu.none": (1.9, 0.7), "cpu.f32": (0.04, 0.01), "cpu.f16": (0.03, 0.01)})
+    exact = exact_rows(
+        {
+            "cpu.none": (_prompts(1.9), 0.7),
+            "cpu.f32": (_prompts(0.04), 0.01),
+            "cpu.f16": (_prompts(0.03), 0.01),
+        }
+    )
     (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "more-precise-not-closer"]
     assert found.text.startswith(
-        "`cpu.f32` (dequant f32) is further from exact than `cpu.f16` (dequant f16)"
+        "`cpu.f32` (dequant f32) is further from exact than `cpu.f16` (dequant f16) at the "
+        "first step, over these prompts (ratio 1.33"
     )
 
 
-def test_the_float_path_says_how_much_llama_cpps_cpu_roundings_explain() -> None:
-    records, pairs = matrix(
-        {"cpu": {"backend": "cpu", "kv_cache_type": "f16"}}, ["none", "f32"], {}
-    )
+def _budget_of(residual: list[float], floor: list[float]) -> dict:
+    """A budget row (qdiff.compare.budget.budget) over prompts p0, p1, ...: the run at
+    ``residual`` from the emulation, whose jittered draws are ``floor`` from it."""
+    n = len(residual)
+    ids = [f"p{k}" for k in range(n)]
+    exact = np.zeros((n, 4))
+    together = exact + 0.02  # all sources together: 0.02 from exact
+    logits = together + np.array(residual)[:, None]
+    sets = {"kv": exact + 0.015, "all": together, "j1": together + np.array(floor)[:, None]}
+    sets["j2"] = together + 0.5 * np.array(floor)[:, None]
+    plan = {"sources": {"kv_f16": "kv"}, "together": "all", "jittered": ["j1", "j2"]}
+    return budget(plan, sets, {}, exact, logits, ids, {})
+
+
+def test_the_error_budget_reads_a_residual_against_its_floor() -> None:
+    """Within the floor on most prompts: explained; above it on every prompt, even by a
+    little: unexplained, with the median ratio; one prompt far above decides nothing."""
+    records, pairs = matrix({"cpu": {"backend": "cpu"}}, ["none", "f32"], {})
+    inside = _budget_of([0.001] * 11 + [0.5], [0.002] * 12)
+    above = _budget_of([0.003] * 12, [0.002] * 12)
     exact = exact_rows(
-        {"cpu.none": (1.9, 0.7), "cpu.f32": (0.025, 0.007)}, emulated={"cpu.f32": 0.004}
+        {"cpu.none": (1.9, 0.7), "cpu.f32": (0.025, 0.007)},
+        budgets={"cpu.none": inside, "cpu.f32": above},
     )
-    (found,) = [f for f in diagnose(records, pairs, exact) if f.rule == "float-path"]
-    assert "`cpu.f32` (the same weights as the file, in f32) is 0.025 from exact" in found.text
-    assert "to within 0.004 of it: the emulation reproduces most of it." in found.text
+    found = {f.rule: f.text for f in diagnose(records, pairs, exact) if "budget" in f.rule}
+    assert found["error-budget-explained"].startswith(
+        "`cpu.none` is 0.021 from exact (first-step max |Δ|, median over 12 prompts; worst 0.52)"
+    )
+    assert "f16 K/V cache 0.015; all together 0.02" in found["error-budget-explained"]
+    assert "within it on 11 of 12 prompts" in found["error-budget-explained"]
+    assert "`cpu.f32`" in found["error-budget-unexplained"]
+    assert "1.5× its floor at the median prompt" in found["error-budget-unexplained"]
+    assert "within it on 0 of 12 prompts (p = 1.9e-06)" in found["error-budget-unexplained"]
+    assert "The floor is" not in found["error-budget-explained"]  # 10% of the distance
+
+
+def test_an_error_budget_whose_floor_is_the_distance_claims_only_its_size() -> None:
+    records, pairs = matrix({"cpu": {"backend": "cpu"}}, ["f32"], {})
+    coarse = _budget_of([0.001] * 12, [0.05] * 12)  # the floor 0.05, the distance 0.021
+    exact = exact_rows({"cpu.f32": (0.025, 0.007)}, budgets={"cpu.f32": coarse})
+    (found,) = [f for f in diagnose(records, pairs, exact) if "budget" in f.rule]
+    assert "The floor is 238% of the distance itself: these roundings account for its size" in (
+        found.text
+    )
 
 
 def test_the_float_path_measures_the_kv_caches_share_with_an_f32_kv_device() -> None:
@@ -285,16 +341,13 @@ def test_the_float_path_measures_the_kv_caches_share_with_an_f32_kv_device() -> 
         "cpu-kv32": {"backend": "cpu", "kv_cache_type": "f32"},
     }
     records, pairs = matrix(devices, ["none", "f32"], {})
-    exact = exact_rows(
-        {"cpu.f32": (0.015, 0.008), "cpu-kv32.f32": (2.4e-05, 1e-05)}, emulated={"cpu.f32": 0.012}
-    )
+    exact = exact_rows({"cpu.f32": (0.015, 0.008), "cpu-kv32.f32": (2.4e-05, 1e-05)})
     found = {
         f.text.split(" ")[0]: f for f in diagnose(records, pairs, exact) if f.rule == "float-path"
     }
     text = found["`cpu.f32`"].text
     assert "With the KV cache in f32 (`cpu-kv32.f32`, measured) it is 2.4e-05" in text
     assert "the f16 KV cache accounts for 99.8% of that distance" in text
-    assert "the emulation reproduces little of it, so llama.cpp rounds somewhere" in text
     assert "accounts for" not in found["`cpu-kv32.f32`"].text  # it is the f32 KV device
 
 
@@ -322,3 +375,21 @@ def test_exact_distances_name_the_side_whose_quantized_kernels_round() -> None:
         in found.text
     )
     assert "vulkan: " not in found.text  # no activation format claimed for the side that keeps them
+
+
+def test_the_reports_first_findings_count_fork_sites_once() -> None:
+    """The summary's opening count of forks along the text: a site where three pairs fork
+    is one site, not three near ties (it used to sum each pair's count)."""
+    from qdiff.report.sections.overview import _fork_sites
+
+    pairs = [
+        forced_pair("cpu.none", "cpu-fa.none", [("p", 3, "near tie"), ("q", 5, "near tie")]),
+        forced_pair("cpu.none", "cpu-fa.f32", [("p", 3, "near tie"), ("q", 5, "red flag")]),
+        forced_pair("cpu.f32", "cpu-fa.none", [("p", 3, "near tie")]),
+    ]
+    other_model = [forced_pair("cpu.none", "cpu-fa.none", [("p", 3, "undetermined")])]
+    said = _fork_sites([fork_sites(pairs), fork_sites(other_model)])
+    assert "forked 6 times at 3 distinct sites (model, prompt, position)" in said
+    assert (
+        "1 near ties in every pair that forks there, 1 with a red flag and 1 undetermined" in said
+    )

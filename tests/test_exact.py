@@ -6,7 +6,7 @@ layers and the output, a few such operations each, bound llama.cpp's f32 path at
 logits' scale. On Gemma, llama.cpp's CPU GELU reads an fp16 table: the input and the value
 are each rounded to fp16 (2^-11 relative), about 1e-3 per layer's feed-forward; over 3
 layers (and a safety factor of two) that bounds the gap at 7e-3 of the scale, and emulating
-the table (``cpu_gelu_table``) must bring it back under the float32 bound: what remains are
+the table (``Roundings(gelu_table=True)``) must bring it back under the float32 bound: what remains are
 inputs within float32 noise of an fp16 rounding boundary, rounded the other way. (Those
 flips compound with depth, so the tiny gemma3 is shallow: 3 layers, one of them global.)
 A deliberately wrong engine (RoPE pairs, RoPE base, a missing norm, no sliding window) must
@@ -19,6 +19,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from qdiff import exact
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
+from qdiff.exact.roundings import Roundings
 from tinymodel import write_tiny_gemma3, write_tiny_llama
 
 FLOAT32_BOUND = 1e-4
@@ -37,20 +39,21 @@ PROMPT = "Once upon a time there was a dragon"  # 35 tokens: past the tiny gemma
 
 @functools.cache
 def llama_cpp_logits(
-    path: Path, n_forced: int = 6, kv: str = "f32"
+    path: Path, n_forced: int = 6, kv: str = "f32", **settings: Any
 ) -> tuple[list[int], list[int], np.ndarray]:
-    """llama.cpp's CPU logits (an f32 KV cache unless ``kv`` says otherwise) at the prompt's
-    last token and along its own greedy output, one token per step, as a forced pass takes
-    them. In a child process, so that a crash of llama.cpp fails these tests and not the
-    session; once per model and cache type, since they are deterministic."""
-    return in_child(_llama_cpp_logits, path, n_forced, kv)
+    """llama.cpp's CPU logits (an f32 KV cache unless ``kv`` says otherwise; other device
+    ``settings``) at the prompt's last token and along its own greedy output, one token per
+    step, as a forced pass takes them. In a child process, so that a crash of llama.cpp fails
+    these tests and not the session; once per model and settings (they are deterministic)."""
+    return in_child(_llama_cpp_logits, path, n_forced, kv, settings)
 
 
 def _llama_cpp_logits(
-    path: Path, n_forced: int, kv: str
+    path: Path, n_forced: int, kv: str, settings: dict[str, Any]
 ) -> tuple[list[int], list[int], np.ndarray]:
     log = init_backend()  # kept while llama.cpp runs: it holds the callback
-    model = LoadedModel(path, DeviceSettings(backend="cpu", threads=1, kv_cache_type=kv), 256)
+    device = DeviceSettings(**{"backend": "cpu", "threads": 1, "kv_cache_type": kv, **settings})
+    model = LoadedModel(path, device, 256)
     with model:
         prompt = model.tokenize(PROMPT, parse_special=False)
         forced = model.generate(prompt, n_forced).tokens
@@ -61,10 +64,13 @@ def _llama_cpp_logits(
 
 
 def gap(
-    path: Path, make: Callable[[Path], exact.ExactModel] = exact.ExactModel, kv: str = "f32"
+    path: Path,
+    make: Callable[[Path], exact.ExactModel] = exact.ExactModel,
+    kv: str = "f32",
+    **settings: Any,
 ) -> float:
     """The largest |exact - llama.cpp| over the forced positions, relative to the scale."""
-    prompt, forced, reference = llama_cpp_logits(path, kv=kv)
+    prompt, forced, reference = llama_cpp_logits(path, kv=kv, **settings)
     ours = make(path).forward(prompt + forced[:-1], slice(len(prompt) - 1, None))
     return float(np.abs(ours - reference).max() / np.abs(ours).max())
 
@@ -88,13 +94,13 @@ def test_gemma3_agrees_with_llama_cpp_up_to_its_fp16_gelu_table(tiny_gemma3: Pat
     assert model.hp.swa_layers == (True, False, True)
     assert model.hp.rope(0) == (10000.0, 1.0) and model.hp.rope(1) == (1e6, 1.0)
     plain = gap(tiny_gemma3)
-    emulated = gap(tiny_gemma3, lambda p: exact.ExactModel(p, cpu_gelu_table=True))
+    emulated = gap(tiny_gemma3, lambda p: exact.ExactModel(p, Roundings(gelu_table=True)))
     assert emulated < FLOAT32_BOUND < plain < GELU_TABLE_BOUND  # the table is the whole gap
 
 
 def _wrong(which: str, changes: dict) -> Callable[[Path], exact.ExactModel]:
     def make(path: Path) -> exact.ExactModel:
-        model = exact.ExactModel(path, cpu_gelu_table=which == "gemma3")
+        model = exact.ExactModel(path, Roundings(gelu_table=which == "gemma3"))
         model.hp = dataclasses.replace(model.hp, **changes)
         return model
 
@@ -155,10 +161,10 @@ def test_the_cpu_f16_kv_cache_emulated_explains_most_of_its_effect(
     gelu = which == "gemma3"
 
     def with_roundings(p: Path) -> exact.ExactModel:
-        return exact.ExactModel(p, cpu_gelu_table=gelu, cpu_f16_kv=True)
+        return exact.ExactModel(p, Roundings(gelu_table=gelu, kv_f16=True, qp_f16=True))
 
     def without(p: Path) -> exact.ExactModel:
-        return exact.ExactModel(p, cpu_gelu_table=gelu)
+        return exact.ExactModel(p, Roundings(gelu_table=gelu))
 
     emulated, plain = gap(path, with_roundings, kv="f16"), gap(path, without, kv="f16")
     assert emulated < plain / 2 and plain > FLOAT32_BOUND

@@ -91,9 +91,31 @@ def test_the_exact_stages_memory_estimate_covers_its_peak(default_run: Workspace
     """The estimate the exact stage is refused by (qdiff.exact.reference.memory_needed) is never below
     the peak resident memory it measured, on the real models; and not far above."""
     for model in MODELS:
-        record = json.loads((default_run.root / f"results/exact/{model}/record.json").read_text())
-        estimate, peak = record["memory_estimate_mib"], record["peak_rss_mib"]
-        assert peak <= estimate <= 1.5 * peak, (model, estimate, peak)
+        for name in ("record.json", "roundings.json"):  # the reference, the emulations
+            record = json.loads((default_run.root / f"results/exact/{model}/{name}").read_text())
+            estimate, peak = record["memory_estimate_mib"], record["peak_rss_mib"]
+            assert peak <= estimate <= 1.5 * peak, (model, name, estimate, peak)
+
+
+def test_every_default_combination_has_an_error_budget(default_run: Workspace) -> None:
+    """Each CPU combination's sources (the activations only for the quantized files, the GELU
+    table only for Gemma), a residual and a floor on every prompt, and a reading; the
+    report's table has a row for each."""
+    summary = (default_run.root / "results/summary.md").read_text()
+    for model in MODELS:
+        path = default_run.root / f"results/exact/{model}/distance.json"
+        rows = {r["combination"]: r for r in json.loads(path.read_text())["rows"]}
+        for label, row in rows.items():
+            budget = row["budget"]
+            assert budget["status"] == "ok" and budget["n_prompts"] == 12, (model, label)
+            names = {s["name"] for s in budget["sources"]}
+            assert ("activations" in names) == label.endswith(".none"), (label, names)
+            assert ("gelu_table" in names) == model.startswith("gemma"), (label, names)
+            assert ("flash_cpu" in names) == label.startswith("cpu-fa"), (label, names)
+            assert budget["floor"]["median"] > 0 and budget["residual"]["median"] > 0
+            assert 0 <= budget["within_floor"] <= 12 and 0 < budget["p_value"] <= 1
+    sections = [part.split("### ")[0] for part in summary.split("### Error budget")[1:]]
+    assert len(sections) == len(MODELS) and all(s.count("| `cpu") == 4 for s in sections)
 
 
 def test_the_serving_map_on_the_real_models(default_run: Workspace) -> None:

@@ -284,6 +284,7 @@ def test_adding_a_model_runs_only_that_model(
         compare_model=1,
         localise_model=1,
         exact_reference=1,
+        exact_roundings=1,
         distance_from_exact=1,
         report=1,
     )
@@ -344,6 +345,7 @@ def test_changing_prompts_or_token_count_reruns_runs(
         localise_model=2,
         report=1,
         exact_reference=2,
+        exact_roundings=2,
         distance_from_exact=2,
     )
 

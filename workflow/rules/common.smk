@@ -25,6 +25,7 @@ from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES
 from qdiff.engine.probe import check_strict_devices
 from qdiff.engine.provenance import llama_build_id
 from qdiff.engine.stage import retry_token
+from qdiff.exact.roundings import plan as rounding_plan
 from qdiff.jobs import skip_exit_collection
 from qdiff.sources import fingerprint, made_file_problem
 from qdiff.workflow import (
@@ -123,7 +124,9 @@ def all_targets(wildcards):
     ]
     if EXPERIMENT.exact_enabled:
         for model in EXPERIMENT.run_models:
-            targets += [exact_file(model, name) for name in EXACT_FILES]
+            emulated = emulates_roundings(model)
+            names = [n for n in EXACT_FILES if emulated or n not in ROUNDINGS_FILES]
+            targets += [exact_file(model, name) for name in names]
     return targets
 
 
@@ -366,6 +369,13 @@ EXACT_FILES = {
     "data": "exact.npz",
     "distance": "distance.json",
 }
+# and the engine with llama.cpp's rounding sources switched on (qdiff.exact.roundings), for
+# the combinations whose sources it follows
+ROUNDINGS_FILES = {
+    "roundings_record": "roundings.json",
+    "roundings_data": "roundings.npz",
+}
+EXACT_FILES.update(ROUNDINGS_FILES)
 
 
 def exact_file(model, name):
@@ -386,6 +396,36 @@ def exact_inputs(wildcards):
         inputs["teacher_record"] = FORCED.record(teacher)
         inputs["teacher_data"] = ancient(FORCED.data(teacher))
     return inputs
+
+
+@functools.cache
+def roundings_of(model):
+    """The rounding sources of each combination of ``model``, and the engine's sets of
+    switches that measure them (qdiff.exact.roundings.plan)."""
+    return rounding_plan(
+        {
+            c.label: (EXPERIMENT.devices[c.device].as_dict(), c.dequant)
+            for c in EXPERIMENT.combinations(model)
+        }
+    )
+
+
+def emulates_roundings(model):
+    return bool(roundings_of(model)[0])
+
+
+def rounding_configs(wildcards):
+    return canonical_json(roundings_of(wildcards.model)[0])
+
+
+def roundings_retry_token(wildcards):
+    return token_of(exact_file(wildcards.model, "roundings_record"))
+
+
+def roundings_inputs(wildcards):
+    """The model's own file and the prompts' tokens (the teacher's run)."""
+    inputs = exact_inputs(wildcards)
+    return {name: inputs[name] for name in ("model", "info", "teacher_run")}
 
 
 def exact_threads(wildcards):
@@ -419,6 +459,13 @@ def distance_inputs(wildcards):
         "records": [RUN.record(c) for c in combos],
         "logits": data_files(RUN, combos),
     }
+    if emulates_roundings(wildcards.model):
+        inputs["roundings_record"] = exact_file(wildcards.model, "roundings_record")
+        inputs["roundings_data"] = ancient(
+            exact_file(wildcards.model, "roundings_data")
+        )
+        if EXPERIMENT.serving_enabled:  # the sensitivity floor: another n_ubatch
+            inputs["serving_records"] = [SERVING.record(c) for c in combos]
     if EXPERIMENT.forcing_enabled:
         inputs["forced_records"] = [FORCED.record(c) for c in combos]
         inputs["forced_data"] = [ancient(FORCED.data(c)) for c in combos]

@@ -31,6 +31,38 @@ rule exact_reference:
         "../scripts/exact_reference.py"
 
 
+# The same engine with llama.cpp's rounding sources switched on, one set at a time and each
+# combination's all together (qdiff.exact.roundings): the first step of every prompt. Its
+# params are the sets, so a device with other settings reruns it, another prompt too.
+rule exact_roundings:
+    input:
+        unpack(roundings_inputs),
+    output:
+        **kept_outputs(
+            {
+                "record": exact_file("{model}", "roundings_record"),
+                "data": exact_file("{model}", "roundings_data"),
+            }
+        ),
+    log:
+        "results/logs/exact/{model}.roundings.log",
+    benchmark:
+        "results/benchmarks/exact/{model}.roundings.tsv"
+    conda:
+        "../../envs/qdiff.yaml"
+    threads: exact_threads
+    resources:
+        mem_mb=exact_mem_mb,
+        runtime=120,
+    params:
+        top_k=EXPERIMENT.teacher_forcing["top_k"],
+        configs=rounding_configs,
+        code=CODE["exact_reference"],
+        retry_token=roundings_retry_token,
+    script:
+        "../scripts/exact_reference.py"
+
+
 rule distance_from_exact:
     input:
         unpack(distance_inputs),

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from qdiff import jobs
+from qdiff.compare.budget import combination_budget
 from qdiff.compare.distance import closest, distance
 from qdiff.compare.forced import with_probabilities
 from qdiff.core import records
@@ -25,7 +26,13 @@ def body(job: jobs.Job) -> None:
         )
         return
     arrays = with_probabilities(load_arrays(Path(i.exact_data)))  # once for every row
-    forced = "forced_records" in i.keys()  # noqa: SIM118 - a Namedlist: `in` looks at values
+    names = i.keys()  # a Namedlist: `in` looks at its values
+    forced = "forced_records" in names
+    roundings = (
+        (read_json(Path(i.roundings_record)), load_arrays(Path(i.roundings_data)))
+        if "roundings_record" in names
+        else None
+    )
     rows = []
     # no logits with first_step_logits: top_k: first steps come from the forced passes
     logits_files = i.logits or [None] * len(i.records)
@@ -37,7 +44,12 @@ def body(job: jobs.Job) -> None:
             ok = forced_record["status"] == "ok"
             pass_ = (forced_record, load_arrays(Path(i.forced_data[k])) if ok else {})
         run_logits = load_array(Path(logits)) if logits and record["status"] == "ok" else None
-        rows.append(distance(arrays, exact["prompt_ids"], record, run_logits, pass_))
+        row = distance(arrays, exact["prompt_ids"], record, run_logits, pass_)
+        if roundings is not None and row["status"] == "ok" and run_logits is not None:
+            serving = read_json(Path(i.serving_records[k])) if "serving_records" in names else None
+            first = arrays["first_logits"]
+            row["budget"] = combination_budget(record, run_logits, serving, roundings, first)
+        rows.append(row)
     write_json(
         job.out(output),
         {"model": model, "status": "ok", "exact": exact, "closest": closest(rows), "rows": rows},

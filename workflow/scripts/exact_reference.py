@@ -1,6 +1,9 @@
-"""The exact answer of one model's weights, in float64, along the teacher's text, computed
-in a child process after a memory estimate (rule exact_reference; qdiff.exact.stage)."""
+"""The exact answer of one model's weights, in float64, along the teacher's text (rule
+exact_reference), or its first steps with llama.cpp's rounding sources switched on (rule
+exact_roundings: params.configs), computed in a child process after a memory estimate
+(qdiff.exact.stage)."""
 
+import json
 from pathlib import Path
 
 from qdiff import jobs
@@ -11,8 +14,11 @@ from qdiff.engine.provenance import machine
 from qdiff.exact.stage import ExactInputs, exact_stage
 
 i, out, model = snakemake.input, snakemake.output, snakemake.wildcards.model
-head = {"stage": "exact", "model": model}
-forcing = "teacher_record" in i.keys()  # noqa: SIM118 - a Namedlist: `in` looks at values
+# Namedlists: `in` looks at their values, so their keys() are asked
+emulating = "configs" in snakemake.params.keys()  # noqa: SIM118
+configs = json.loads(snakemake.params.configs) if emulating else None
+head = {"stage": "roundings" if emulating else "exact", "model": model}
+forcing = "teacher_record" in i.keys() and not emulating  # noqa: SIM118
 
 
 def body(job: jobs.Job) -> None:
@@ -24,6 +30,7 @@ def body(job: jobs.Job) -> None:
         forced_data=Path(i.teacher_data) if forcing else None,
         forced=read_json(Path(i.teacher_record)) if forcing else None,
         top_k=snakemake.params.top_k,
+        configs=configs,
     )
     result = exact_stage(
         inputs,

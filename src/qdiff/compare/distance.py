@@ -19,6 +19,7 @@ import numpy as np
 from qdiff.compare.forced import compare_forced, first_step_metrics, with_probabilities
 from qdiff.compare.metrics import METRICS, logit_metrics, median, percentile, summarise
 from qdiff.compare.pairs import label
+from qdiff.compare.stats import TINY
 from qdiff.core.records import failure_text
 
 
@@ -56,6 +57,8 @@ def distance(
         first_step={
             "max_abs": summary["max_abs_max"],
             "max_abs_median": summary["max_abs_median"],
+            # per prompt, in the run's order: what paired comparisons are decided by
+            "max_abs_by_prompt": [float(x) for x in values["max_abs"]],
             "rms": summary["rms_rms"],
             "nmse": summary["nmse_mean"],
             "kl_mean": summary["kl_mean"],
@@ -63,10 +66,6 @@ def distance(
             "top1_agree": int(summary["top1_agree_count"]),
         },
     )
-    # exact, but with two of llama.cpp's CPU roundings: a full-vocabulary comparison only
-    if "first_logits_cpu_roundings" in exact and logits is not None:
-        emulated = logit_metrics(exact["first_logits_cpu_roundings"], logits.astype(np.float64))
-        row["first_step_vs_cpu_roundings"] = {"max_abs": float(emulated["max_abs"].max())}
     if forced is not None:
         row["forced"] = _along_the_text(exact, exact_prompts, *forced)
     return row
@@ -103,10 +102,25 @@ def _first_steps_from_forced(
     return {key: np.array([r[key] for r in rows]) for key in METRICS}
 
 
+def typical(row: dict[str, Any]) -> float:
+    """A combination's first-step distance from exact over all its prompts: the geometric
+    mean of the per-prompt max |Δ| (its worst prompt's, for a distance made by an older
+    qdiff, which kept no per-prompt values)."""
+    per_prompt = row["first_step"].get("max_abs_by_prompt")
+    if not per_prompt:
+        return float(row["first_step"]["max_abs"])
+    return float(np.exp(np.mean(np.log(np.maximum(per_prompt, TINY)))))
+
+
+def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The combinations that ran, nearest to exact first (``typical``)."""
+    return sorted((r for r in rows if r["status"] == "ok"), key=typical)
+
+
 def closest(rows: list[dict[str, Any]]) -> str | None:
-    """The combination nearest to exact: the smallest first-step max |Δ|."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    return min(ok, key=lambda r: r["first_step"]["max_abs"])["combination"] if ok else None
+    """The combination nearest to exact over all prompts (``typical``)."""
+    order = ranked(rows)
+    return order[0]["combination"] if order else None
 
 
 def tokenizer_problem(reference: dict[str, Any], record: dict[str, Any]) -> str | None:

@@ -4,11 +4,25 @@ model's definition computed exactly (``ExactModel``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from qdiff.exact.architectures import read_hparams
+from qdiff.exact.roundings import (
+    VEC_DOT_TYPE,
+    Roundings,
+    f16,
+    flash_one_row,
+    flash_rows_one_by_one,
+    jittered,
+    q8_1_sum_error,
+    round_activations,
+)
+
+EXACT = Roundings()  # no rounding source: the exact answer
+BLOCK_BYTES = {"q4_1": 20, "q5_1": 24}  # ggml-common.h: d, m (fp16 each), then the values
 
 
 class Weights:
@@ -35,6 +49,16 @@ class Weights:
             self._cache[name] = self.float32(name).astype(np.float64)
         return self._cache[name]
 
+    def block_minimums(self, name: str) -> np.ndarray:
+        """A Q4_1 or Q5_1 tensor's minimum per block of 32 (the fp16 ``m`` that follows each
+        block's scale), (rows, blocks) in float64."""
+        t = self._tensors[name]
+        rows = np.asarray(t.data).reshape(int(t.shape[1]), -1, BLOCK_BYTES[self.type_of(name)])
+        return rows[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+
+    def type_of(self, name: str) -> str:
+        return str(self._tensors[name].tensor_type.name.lower())
+
     def types(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for t in self._tensors.values():
@@ -59,9 +83,24 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table.astype(np.float64)))
 
 
-def _f16(x: np.ndarray) -> np.ndarray:
-    """Rounded to fp16 (round to nearest even, as ggml's conversions) and back."""
-    return np.asarray(x, dtype=np.float16).astype(np.float64)
+def _softmax_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    masked: np.ndarray,
+    scale: float,
+    p_rounding: Callable[[np.ndarray], np.ndarray] | None,
+) -> np.ndarray:
+    """softmax(scale·Q·Kᵀ, masked)·V per head (q, k, v: (n, heads, d)); with ``p_rounding``
+    the softmax weights rounded before the product with V."""
+    scores = (q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)) * scale  # (heads, queries, keys)
+    scores[:, masked] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if p_rounding is not None:
+        probs = p_rounding(probs)
+    return (probs @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -89,27 +128,51 @@ def rope(
 class ExactModel:
     """One GGUF, evaluated exactly (see the module's docstring)."""
 
-    def __init__(self, path: Path, cpu_gelu_table: bool = False, cpu_f16_kv: bool = False) -> None:
-        """Two of llama.cpp's CPU roundings, to measure how much of a CPU run's distance
-        from exact each explains (not exact):
-        - ``cpu_gelu_table``: GELU read from llama.cpp's fp16 table;
-        - ``cpu_f16_kv``: attention as the CPU computes it with an f16 KV cache and no flash
-          attention: K and V stored in f16, Q rounded to f16 for the K product, the softmax
-          weights rounded to f16 for the V product (ggml's f16 dot products)."""
+    def __init__(self, path: Path, roundings: Roundings = EXACT) -> None:
+        """``roundings``: llama.cpp's rounding sources to apply (qdiff.exact.roundings), to
+        measure how much of a run's distance from exact each explains; none by default."""
         self.weights = Weights(path)
         self.hp = read_hparams(self.weights.reader)
-        self.gelu = gelu_fp16_table if cpu_gelu_table else gelu_tanh
-        self.f16_kv = cpu_f16_kv
+        self.roundings = roundings
         self.output_name = (
             "output.weight" if "output.weight" in self.weights else "token_embd.weight"
         )
 
+    @property
+    def roundings(self) -> Roundings:
+        return self._roundings
+
+    @roundings.setter
+    def roundings(self, value: Roundings) -> None:
+        self._roundings, self.rng = value, np.random.default_rng(value.jitter)
+
+    def rounded(self, x: np.ndarray, rounding: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """``rounding(x)``; with ``jitter``, of an input moved by a float32 ulp at random."""
+        return rounding(jittered(x, self.rng) if self._roundings.jitter else x)
+
+    def gelu(self, x: np.ndarray) -> np.ndarray:
+        if self._roundings.gelu_table:
+            return self.rounded(x, gelu_fp16_table)
+        return gelu_tanh(x)
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ Wᵀ, the input rounded as the CPU rounds it for this weight's type when the
+        ``activations`` switch is on."""
+        if not self._roundings.activations:
+            return x @ self.weights[name].T
+        kind = self.weights.type_of(name)
+        x = self.rounded(x, lambda v: v)  # jittered once: both roundings below see the same
+        y = round_activations(x, kind) @ self.weights[name].T
+        if VEC_DOT_TYPE.get(kind) == "q8_1":
+            y += q8_1_sum_error(x) @ self.weights.block_minimums(name).T
+        return y
+
     def _attention(self, x: np.ndarray, layer: int, positions: np.ndarray) -> np.ndarray:
         hp, w, p = self.hp, self.weights, f"blk.{layer}."
         n, d = len(x), hp.head_dim
-        q = (x @ w[p + "attn_q.weight"].T).reshape(n, hp.n_head, d)
-        k = (x @ w[p + "attn_k.weight"].T).reshape(n, hp.n_head_kv, d)
-        v = (x @ w[p + "attn_v.weight"].T).reshape(n, hp.n_head_kv, d)
+        q = self.linear(x, p + "attn_q.weight").reshape(n, hp.n_head, d)
+        k = self.linear(x, p + "attn_k.weight").reshape(n, hp.n_head_kv, d)
+        v = self.linear(x, p + "attn_v.weight").reshape(n, hp.n_head_kv, d)
         if hp.arch.qk_norm:
             q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
             k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
@@ -118,36 +181,34 @@ class ExactModel:
         k = rope(k, positions, hp.n_rot, base, scale, hp.arch.neox_rope)
         scale = 1.0 / math.sqrt(d)
         if hp.arch.query_scale:  # Gemma scales Q, llama the scores: the same in float64
-            q = q * scale
-        if self.f16_kv:
-            q, k, v = (_f16(t) for t in (q, k, v))
+            q, scale = q * scale, 1.0
+        r = self._roundings
+        if r.kv_f16:
+            k, v = self.rounded(k, f16), self.rounded(v, f16)
         distance = positions[:, None] - positions[None, :]
         masked = distance < 0
         if hp.swa_layers[layer]:
             masked |= distance >= hp.n_swa
-        group = hp.n_head // hp.n_head_kv
-        out = np.empty((n, hp.n_head, d))
-        for h in range(hp.n_head):
-            scores = q[:, h] @ k[:, h // group].T
-            if not hp.arch.query_scale:
-                scores = scores * scale
-            scores[masked] = -np.inf
-            scores -= scores.max(axis=-1, keepdims=True)
-            probs = np.exp(scores)
-            probs /= probs.sum(axis=-1, keepdims=True)
-            if self.f16_kv:
-                probs = _f16(probs)
-            out[:, h] = probs @ v[:, h // group]
-        y = out.reshape(n, hp.n_head * d) @ w[p + "attn_output.weight"].T
+        heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)  # each query head's K/V
+        k, v = k[:, heads], v[:, heads]
+        p_rounding = (lambda probs: self.rounded(probs, f16)) if r.qp_f16 else None
+        q_used = self.rounded(q, f16) if r.qp_f16 else q
+        out = _softmax_attention(q_used, k, v, masked, scale, p_rounding)
+        if r.flash_cpu:
+            one_by_one = flash_rows_one_by_one(n, r.n_ubatch)
+            if one_by_one.any():
+                q_in = self.rounded(q, np.asarray)  # jittered, then rounded to f16 inside
+                out[one_by_one] = flash_one_row(q_in, k, v, masked, scale)[one_by_one]
+        y = self.linear(out.reshape(n, hp.n_head * d), p + "attn_output.weight")
         if p + "attn_output.bias" in w:
             y = y + w[p + "attn_output.bias"]
         return y
 
     def _feed_forward(self, x: np.ndarray, layer: int) -> np.ndarray:
-        w, p = self.weights, f"blk.{layer}."
-        gate = x @ w[p + "ffn_gate.weight"].T
+        p = f"blk.{layer}."
+        gate = self.linear(x, p + "ffn_gate.weight")
         act = self.gelu(gate) if self.hp.arch.activation == "gelu" else silu(gate)
-        return (act * (x @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+        return self.linear(act * self.linear(x, p + "ffn_up.weight"), p + "ffn_down.weight")
 
     def forward(self, tokens: list[int], outputs: slice) -> np.ndarray:
         """Logits (float64, full vocabulary) at the positions ``outputs`` of ``tokens``, from
@@ -168,7 +229,7 @@ class ExactModel:
                 ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], hp.eps)
             x = x + ffn
         x = rms_norm(x[outputs], w["output_norm.weight"], hp.eps)
-        logits = x @ w[self.output_name].T
+        logits = self.linear(x, self.output_name)
         if hp.softcap:
             logits = hp.softcap * np.tanh(logits / hp.softcap)
         return logits

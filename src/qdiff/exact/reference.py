@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError
-from qdiff.exact.model import ExactModel, gelu_fp16_table, gelu_tanh
+from qdiff.exact.model import ExactModel
+from qdiff.exact.roundings import VEC_DOT_TYPE, NotEmulatedError, Roundings
 
 
 def reference(
@@ -19,13 +20,7 @@ def reference(
     """The exact logits along the teacher's text: full-vocabulary first-step logits per
     prompt, and at every position the forced passes keep (the teacher's ``teacher_slices``
     token ids, or the exact top-``top_k`` without them) the same summaries as a forced pass
-    (qdiff.compare.forced), in float64. The prompts' tokens are llama.cpp's, from the teacher's run.
-
-    Also the first step with two of llama.cpp's CPU roundings applied
-    (``first_logits_cpu_roundings``): the fp16 GELU table where the model uses GELU, and the
-    f16 KV cache as the CPU's attention without flash attention uses it. How much of a CPU
-    f32 run's distance from exact they explain is then measured, not assumed."""
-    import resource
+    (qdiff.compare.forced), in float64. The prompts' tokens are llama.cpp's, from the teacher's run."""
     import time
 
     from qdiff.core.forced import ForcedRecorder
@@ -37,7 +32,6 @@ def reference(
     k = teacher_slices.shape[-1] if teacher_slices is not None else min(top_k, exact.hp.n_vocab)
     recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64)
     first = np.zeros((len(prompts), exact.hp.n_vocab))
-    first_cpu = np.zeros_like(first)
     forward_s = 0.0
     for p, prompt in enumerate(prompts):
         tokens, forced = prompt["prompt_tokens"], prompt["tokens"]
@@ -49,9 +43,6 @@ def reference(
         recorder.begin_prompt(p, len(tokens), forced)
         for t in range(len(forced)):
             recorder.add(p, t, logits[t], None if teacher_slices is None else teacher_slices[p, t])
-        exact.gelu, exact.f16_kv = gelu_fp16_table, True
-        first_cpu[p] = exact.forward(tokens, slice(len(tokens) - 1, len(tokens)))[0]
-        exact.gelu, exact.f16_kv = gelu_tanh, False
     record = {
         "architecture": exact.hp.arch.name,
         "hparams": hparams_record(exact.hp),
@@ -63,14 +54,51 @@ def reference(
             "total_s": round(time.perf_counter() - start, 3),
             "forward_s": round(forward_s, 3),
         },
-        # Linux reports kilobytes
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": _peak_rss_mib(),
     }
-    return record, {
-        **recorder.arrays,
-        "first_logits": first,
-        "first_logits_cpu_roundings": first_cpu,
+    return record, {**recorder.arrays, "first_logits": first}
+
+
+def emulate(
+    model: Path, teacher_run: dict[str, Any], configs: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The first step of every prompt with each set of llama.cpp's rounding sources
+    (``configs``: a name -> Roundings fields; qdiff.exact.roundings) switched on in the
+    float64 engine: one array of full-vocabulary logits per name. The record says which
+    sources can change anything for this model: the GELU table only where it uses GELU,
+    the activations' rounding only before weights that are not f32."""
+    import time
+
+    start = time.perf_counter()
+    exact = ExactModel(model)
+    prompts = teacher_run["prompts"]
+    arrays = {}
+    for name, values in configs.items():
+        exact.roundings = Roundings.from_dict(values)
+        rows = [
+            exact.forward(p["prompt_tokens"], slice(len(p["prompt_tokens"]) - 1, None))[0]
+            for p in prompts
+        ]
+        arrays[name] = np.array(rows)
+    matmul_types = {t for t in exact.weights.types() if t != "f32"}
+    record = {
+        "prompt_ids": [p["id"] for p in prompts],
+        "configs": configs,
+        "applies": {
+            "gelu_table": exact.hp.arch.activation == "gelu",
+            "activations": bool(matmul_types),
+        },
+        "activation_formats": sorted({VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
+        "timings": {"total_s": round(time.perf_counter() - start, 3)},
+        "peak_rss_mib": _peak_rss_mib(),
     }
+    return record, arrays
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # Linux: KiB
 
 
 def hparams_record(hp: Hparams) -> dict[str, Any]:
@@ -89,11 +117,11 @@ BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
 READER_BYTES_PER_TOKEN = 2560  # gguf-py's reader holds every vocabulary entry as arrays
 
 
-def memory_needed(model: Path, n_prompts: int, max_positions: int) -> int:
-    """Bytes ``reference`` needs for ``model`` along ``n_prompts`` prompts of at most
-    ``max_positions`` tokens, read off the file's tensor shapes before anything is loaded:
-    every weight in float64 (they are kept), the float32 copy of the largest one while it
-    is converted, the full-vocabulary logits it keeps and computes, the GGUF reader (which
+def memory_needed(model: Path, logit_rows: int) -> int:
+    """Bytes ``reference`` or ``emulate`` needs for ``model`` when it holds ``logit_rows``
+    rows of full-vocabulary logits, read off the file's tensor shapes before anything is
+    loaded: every weight in float64 (they are kept), the float32 copy of the largest one
+    while it is converted, those logits, the GGUF reader (which
     parses the whole vocabulary: about 2.5 KiB a token, measured on Gemma 3's 262,144) and
     a base. tests/test_gemma.py checks it against the peak resident memory of the default
     experiment's models: never below, and within 1.5x."""
@@ -103,7 +131,7 @@ def memory_needed(model: Path, n_prompts: int, max_positions: int) -> int:
     sizes = [int(t.n_elements) for t in reader.tensors]
     vocab = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = len(vocab.data) if vocab is not None else 0
-    logits = 8 * n_vocab * (2 * n_prompts + max_positions)
+    logits = 8 * n_vocab * logit_rows
     reader_bytes = READER_BYTES_PER_TOKEN * n_vocab
     return 8 * sum(sizes) + 4 * max(sizes, default=0) + logits + reader_bytes + BASE_MEMORY
 
@@ -113,7 +141,8 @@ UNSUPPORTED = 3  # the child's exit code for an architecture the engine does not
 
 
 def main(argv: list[str]) -> int:
-    """``python -m qdiff.exact.reference SPEC``: ``reference`` in a process of its own, so
+    """``python -m qdiff.exact.reference SPEC``: ``reference`` (or, when the spec names
+    ``configs``, ``emulate``) in a process of its own, so
     that the kernel's out-of-memory killer ends this process alone and its supervisor
     records it (workflow/scripts/exact_reference.py). Writes the spec's ``record`` and
     ``data`` files, or ``ERROR_FILE`` beside them (``kind`` "unsupported", exit code
@@ -125,8 +154,11 @@ def main(argv: list[str]) -> int:
     run = spec["teacher_run"]
     slices = load_arrays(Path(spec["teacher_data"]))["slice_ids"] if spec["teacher_data"] else None
     try:
-        record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"])
-    except UnsupportedArchitectureError as exc:
+        if spec.get("configs") is not None:
+            record, arrays = emulate(Path(spec["model"]), run, spec["configs"])
+        else:
+            record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"])
+    except (UnsupportedArchitectureError, NotEmulatedError) as exc:
         write_json(out / ERROR_FILE, {"kind": "unsupported", "message": str(exc)})
         return UNSUPPORTED
     except MemoryError:

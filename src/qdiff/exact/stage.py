@@ -28,12 +28,24 @@ class ExactInputs:
     forced_data: Path | None  # the teacher's forced pass's arrays (its slice ids), if any
     forced: dict[str, Any] | None  # and its record
     top_k: int
+    # the rounding sources to emulate (name -> qdiff.exact.roundings.Roundings fields), or
+    # None for the exact reference itself
+    configs: dict[str, dict[str, Any]] | None = None
+
+    def logit_rows(self) -> int:
+        """How many rows of full-vocabulary logits the child holds at its peak."""
+        prompts = self.run["prompts"]
+        lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in prompts]
+        if self.configs is not None:  # the first step per prompt and set, one forward's rows
+            return len(self.configs) * len(prompts) + max(lengths, default=0)
+        return 2 * len(prompts) + max(lengths, default=0)
 
 
 def exact_stage(
     inputs: ExactInputs, data_out: Path, log: Path, timeout_s: float, max_memory_gib: float | None
 ) -> dict[str, Any]:
-    """Compute the exact reference into ``data_out``; its record's fields: ``status`` ok with
+    """Compute the exact reference (or the emulated roundings) into ``data_out``; its
+    record's fields: ``status`` ok with
     the reference's figures and its memory estimate, or ``unsupported`` with the reason.
     Raises StageError (the job records it as failed) when an input did not run, the memory
     it needs is more than it may take, or the child fails (its signal, its error)."""
@@ -55,6 +67,7 @@ def exact_stage(
             "teacher_run": inputs.run,
             "teacher_data": str(inputs.forced_data) if inputs.forced_data else None,
             "top_k": inputs.top_k,
+            "configs": inputs.configs,
             **{name: str(path) for name, path in made.items()},
         }
         write_json(folder / "spec.json", spec)
@@ -78,8 +91,7 @@ def exact_stage(
 
 def _memory_check(inputs: ExactInputs, max_memory_gib: float | None) -> int:
     """The engine's estimate, in bytes, refused (StageError) beyond what it may take."""
-    lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in inputs.run["prompts"]]
-    needed = memory_needed(inputs.model, len(lengths), max(lengths, default=0))
+    needed = memory_needed(inputs.model, inputs.logit_rows())
     limit, what = (
         (max_memory_gib * GIB, "exact.max_memory_gib") if max_memory_gib else available_memory()
     )

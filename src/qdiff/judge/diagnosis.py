@@ -23,12 +23,18 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
 With the exact answer of the weights (qdiff.exact, qdiff.compare.distance):
 
 - ``closer-to-exact``: for each pair that differs and asks one question (two devices on one
-  file, or one device on two files), which side is closer to exact and by how much, at the
-  first step and along the text (said when the two disagree);
+  file, or one device on two files), which side is closer to exact and by how much at the
+  first step, decided over the prompts by a paired ratio with its bootstrap interval
+  (qdiff.compare.stats; "as far as each other" when the interval holds 1), and the median
+  distance of each along the text;
 - ``more-precise-not-closer``: a pair that differs only in a setting that looks more precise
-  (an f32 copy, an f32 KV cache) whose more precise side is *not* closer to exact;
+  (an f32 copy, an f32 KV cache) whose more precise side is *not* closer to exact, decided
+  the same way;
 - ``float-path``: how far each CPU device's f32 copy is from exact, and how much of that
-  llama.cpp's fp16 GELU table explains (the exact engine with the table applied).
+  an f32 KV cache (a sibling device, measured) removes;
+- ``error-budget-*``: per combination whose rounding sources the engine follows
+  (qdiff.compare.budget), each source alone and all together, and what remains against the
+  run's sensitivity floor: ``explained`` within it, ``unexplained`` above it, ``no floor``.
 """
 
 from __future__ import annotations
@@ -37,13 +43,16 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
+from qdiff.compare.budget import verdict
 from qdiff.compare.forced import MIN_SCALE_POSITIONS, TIE_FACTOR
 from qdiff.compare.pairs import headline
+from qdiff.compare.stats import LEVEL, paired_ratio
 from qdiff.core import markdown
 from qdiff.core.backends import BACKENDS
 from qdiff.core.labels import Combination, Pair
 
 AMPLIFICATION = 10.0
+COARSE_FLOOR = 0.5  # an error budget whose floor is this share of the distance: size only
 COMPARABLE = 0.5
 Key = tuple[str, str]  # (device, dequant)
 
@@ -317,20 +326,20 @@ _MORE_PRECISE = [
 ]
 
 
-AS_FAR = 1.1  # distances within 10% of each other: "about as far", no side named
+def _per_prompt(row: dict[str, Any]) -> list[float] | None:
+    return row["first_step"].get("max_abs_by_prompt")
 
 
-def _nearer(a: float, b: float) -> str:
-    if a == b:
-        return "the same"
-    return f"{max(a, b) / min(a, b):.3g}× closer" if min(a, b) > 0 else "exact"
-
-
-def _about_as_far(a: float, b: float) -> bool:
-    return max(a, b) <= AS_FAR * min(a, b)
+def _ratio_text(r: dict[str, Any]) -> str:
+    return (
+        f"geometric mean over {r['n']} prompts of the per-prompt ratio of first-step max "
+        f"|Δ|, {LEVEL:.0%} bootstrap interval {r['low']:.3g}–{r['high']:.3g}"
+    )
 
 
 def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
+    """For each pair that asks one question: which side is closer to exact, decided over the
+    prompts by a paired ratio with its interval (qdiff.compare.stats), never one prompt."""
     findings = []
     for result in m.pairs.values():
         pair = Pair.from_result(result)
@@ -340,33 +349,31 @@ def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Findin
             continue
         if not (pair.same_file or pair.same_device):
             continue  # two changes at once: no single question to answer
-        da, db = a["first_step"]["max_abs"], b["first_step"]["max_abs"]
-        near, far = (pair.a, pair.b) if da <= db else (pair.b, pair.a)
+        pa, pb = _per_prompt(a), _per_prompt(b)
+        if pa is None or pb is None or len(pa) != len(pb):
+            continue  # a distance made by an older qdiff: no per-prompt values to pair
+        r = paired_ratio(pa, pb)  # how many times b is a
         head = f"`{pair.a.label}` vs `{pair.b.label}`: "
-        if _about_as_far(da, db):
+        worst = f"worst prompt {_fmt(max(pa))} vs {_fmt(max(pb))}"
+        if r["verdict"] == "indistinguishable":
             text = (
-                f"{head}about as far from exact at the first step (max |Δ| {_fmt(da)} vs "
-                f"{_fmt(db)}, within {AS_FAR - 1:.0%})"
+                f"{head}as far from exact as each other at the first step, on these prompts "
+                f"(ratio {r['ratio']:.3g}: {_ratio_text(r)}; {worst})"
             )
         else:
+            near, far = (pair.a, pair.b) if r["verdict"] == "farther" else (pair.b, pair.a)
+            if near is pair.b:
+                r = paired_ratio(pb, pa)  # the same comparison, the nearer side first
             text = (
-                f"{head}`{near.label}` is {_nearer(da, db)} to exact at the first step "
-                f"(max |Δ| {_fmt(min(da, db))} vs {_fmt(max(da, db))})"
+                f"{head}`{near.label}` is {r['ratio']:.3g}× closer to exact than "
+                f"`{far.label}` at the first step ({_ratio_text(r)}; {worst})"
             )
-        numbers = {"first_step_a": da, "first_step_b": db}
+        numbers = {"ratio": r["ratio"], "low": r["low"], "high": r["high"]}
         fa, fb = a.get("forced", {}), b.get("forced", {})
         if fa.get("status") == "ok" and fb.get("status") == "ok":
             ma, mb = fa["max_abs_median"], fb["max_abs_median"]
             numbers.update(forced_a=ma, forced_b=mb)
-            if _about_as_far(ma, mb) or _about_as_far(da, db):
-                text += f"; along the text, median max |Δ| {_fmt(ma)} vs {_fmt(mb)}."
-            elif (ma <= mb) == (da <= db):
-                text += f" and along the text (median max |Δ| {_fmt(min(ma, mb))} vs {_fmt(max(ma, mb))})."
-            else:
-                text += (
-                    f"; along the text it is the other way round: `{far.label}` is closer "
-                    f"(median max |Δ| {_fmt(min(ma, mb))} vs {_fmt(max(ma, mb))})."
-                )
+            text += f"; along the text, median max |Δ| over the positions {_fmt(ma)} vs {_fmt(mb)}."
         else:
             text += "."
         findings.append(Finding("closer-to-exact", text, numbers))
@@ -374,6 +381,8 @@ def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Findin
 
 
 def _more_precise_not_closer(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
+    """A setting that looks more precise whose side is not closer to exact over the
+    prompts (farther, or indistinguishable, by qdiff.compare.stats)."""
     findings = []
     for result in m.pairs.values():
         if len(result["differs"]) != 1:
@@ -392,18 +401,23 @@ def _more_precise_not_closer(m: Matrix, exact: dict[Key, dict[str, Any]]) -> lis
             lo = next(k for k, v in value.items() if v == coarse)
             if hi not in exact or lo not in exact:
                 continue
-            d_hi, d_lo = exact[hi]["first_step"]["max_abs"], exact[lo]["first_step"]["max_abs"]
-            if d_hi > d_lo:
-                how = "about as far from" if _about_as_far(d_hi, d_lo) else "further from"
-                findings.append(
-                    Finding(
-                        "more-precise-not-closer",
-                        f"`{'.'.join(hi)}` ({key} {precise}) is {how} exact than "
-                        f"`{'.'.join(lo)}` ({key} {coarse}): max |Δ| {_fmt(d_hi)} vs {_fmt(d_lo)} "
-                        "at the first step. A setting that looks more precise is not, here.",
-                        {"precise": d_hi, "coarse": d_lo},
-                    )
+            p_hi, p_lo = _per_prompt(exact[hi]), _per_prompt(exact[lo])
+            if p_hi is None or p_lo is None or len(p_hi) != len(p_lo):
+                continue
+            r = paired_ratio(p_lo, p_hi)  # how many times the precise side is the coarse
+            if r["verdict"] == "nearer":
+                continue  # the precise side is closer: nothing to say
+            how = "as far from" if r["verdict"] == "indistinguishable" else "further from"
+            findings.append(
+                Finding(
+                    "more-precise-not-closer",
+                    f"`{'.'.join(hi)}` ({key} {precise}) is {how} exact than "
+                    f"`{'.'.join(lo)}` ({key} {coarse}) at the first step, over these prompts "
+                    f"(ratio {r['ratio']:.3g}: {_ratio_text(r)}). A setting that looks more "
+                    "precise is not closer here.",
+                    {"ratio": r["ratio"], "low": r["low"], "high": r["high"]},
                 )
+            )
     return findings
 
 
@@ -412,7 +426,6 @@ def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
     for (device, dequant), row in exact.items():
         if dequant != "f32" or m.backend.get(device) != "cpu":
             continue
-        settings = m.records[(device, dequant)]["settings"]
         d = row["first_step"]["max_abs"]
         text = (
             f"`{Combination('', device, dequant).label}` (the same weights as the file, in f32) "
@@ -427,27 +440,53 @@ def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
                 f" With the KV cache in f32 (`{f32_kv}.f32`, measured) it is {_fmt(k)}: the "
                 f"f16 KV cache accounts for {1 - k / d:.1%} of that distance."
             )
-        emulated = row.get("first_step_vs_cpu_roundings")
-        if (
-            emulated is not None
-            and settings.get("kv_cache_type") == "f16"
-            and not settings.get("flash_attn")
-        ):
-            e = emulated["max_abs"]
-            numbers["with_cpu_roundings"] = e
-            share = "most" if e <= 0.5 * d else "little"
-            text += (
-                " qdiff's emulation of two of llama.cpp's CPU roundings (K, V, Q and the "
-                "attention weights in f16, as an f16 KV cache without flash attention computes "
-                "them, and the fp16 GELU table where the model uses GELU) brings the exact "
-                f"engine to within {_fmt(e)} of it: the emulation reproduces {share} of it"
-                + (
-                    ", so llama.cpp rounds somewhere the emulation does not follow."
-                    if share == "little"
-                    else "."
-                )
-            )
         findings.append(Finding("float-path", text, numbers))
+    return findings
+
+
+def _error_budget(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
+    """Per combination whose rounding sources the engine follows: how far each source alone
+    and all together take the exact answer, and what remains against the run's floor."""
+    findings = []
+    for key, row in exact.items():
+        b = row.get("budget")
+        if b is None or b["status"] != "ok":
+            continue
+        label = Combination("", *key).label
+        alone = ", ".join(f"{s['label']} {_fmt(s['median'])}" for s in b["sources"])
+        text = (
+            f"`{label}` is {_fmt(b['distance']['median'])} from exact (first-step max |Δ|, "
+            f"median over {b['n_prompts']} prompts; worst {_fmt(b['distance']['max'])}). Each "
+            f"of its rounding sources alone takes the exact answer {alone}; all together "
+            f"{_fmt(b['together']['median'])}. The run is {_fmt(b['residual']['median'])} from "
+            "that emulation"
+        )
+        numbers = {"distance": b["distance"]["median"], "residual": b["residual"]["median"]}
+        numbers |= {s["name"]: s["median"] for s in b["sources"]}
+        numbers |= {"ratio_median": b["ratio_median"], "p_value": b["p_value"]}
+        reading = verdict(b)
+        text += (
+            f", {b['ratio_median']:.2g}× its floor at the median prompt "
+            f"(floor median {_fmt(b['floor']['median'])}: how far equally valid float32 "
+            f"inputs move the emulation), within it on {b['within_floor']} of "
+            f"{b['n_prompts']} prompts"
+            + (
+                ": on these prompts the rest is indistinguishable from that floor, so these "
+                "sources account for the run's distance from exact."
+                if reading == "explained"
+                else f" (p = {b['p_value']:.2g}): the run rounds somewhere the emulation does "
+                "not follow."
+            )
+        )
+        coarse = b["floor"]["median"] / b["distance"]["median"]
+        if reading == "explained" and coarse >= COARSE_FLOOR:
+            text += (
+                f" The floor is {coarse:.0%} of the distance itself: these roundings account "
+                "for its size, and below it which way each input near a rounding boundary "
+                "went, which no emulation can follow at the logits (tests/test_roundings.py "
+                "checks the switches op by op instead)."
+            )
+        findings.append(Finding(f"error-budget-{reading.replace(' ', '-')}", text, numbers))
     return findings
 
 
@@ -496,6 +535,6 @@ def diagnose(
         findings += found
     findings += _forks(pairs)
     if m.exact:
-        for rule in (_float_path, _closer_to_exact, _more_precise_not_closer):
+        for rule in (_float_path, _error_budget, _closer_to_exact, _more_precise_not_closer):
             findings += rule(m, m.exact)
     return findings

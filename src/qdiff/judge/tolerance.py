@@ -7,6 +7,11 @@ teacher's top-k when runs keep no more, ``first_step_logits: top_k``), and, wher
 forcing ran, every later position over the logits it keeps (the teacher's top-k).
 The recommended ``atol`` is 1.5× the largest difference over all of that, rounded up, so no
 compared value exceeds it; the headroom is shown.
+
+Covering the data it was derived from says nothing of new prompts, so each tolerance is also
+checked out of sample (``held_out``): derived in the same way without one prompt, then
+checked on that prompt, every prompt in turn (first step, full vocabulary), with the
+coverage's interval (qdiff.compare.stats.wilson).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class Tolerance:
     top1_first_step: tuple[int, int]
     top1_forced: tuple[int, int] | None
     forked: tuple[int, int]
+    held_out: tuple[int, int]  # prompts within the atol derived without them, of all prompts
 
     @property
     def largest(self) -> float:
@@ -66,6 +72,23 @@ class Tolerance:
 def _scope(result: dict[str, Any]) -> str:
     relation = result.get("relation", "backend")
     return "cross-device" if relation in CROSS_DEVICE else RELATION_TEXT[relation]
+
+
+def held_out(group: list[dict[str, Any]]) -> tuple[int, int]:
+    """Leave one prompt out: for each prompt, the atol derived from the group's other prompts
+    (HEADROOM × their largest first-step max |Δ|, rounded up) against that prompt's largest;
+    how many prompts it held on, of how many."""
+    worst: dict[str, float] = {}
+    for p in group:
+        for row in p["prompts"]:
+            worst[row["prompt"]] = max(worst.get(row["prompt"], 0.0), row["max_abs"])
+    if len(worst) < 2:
+        return 0, 0
+    held = 0
+    for prompt, value in worst.items():
+        others = max(v for q, v in worst.items() if q != prompt)
+        held += value <= round_up(HEADROOM * others)
+    return held, len(worst)
 
 
 def tolerances(pairs: list[dict[str, Any]]) -> list[Tolerance]:
@@ -113,6 +136,7 @@ def tolerances(pairs: list[dict[str, Any]]) -> list[Tolerance]:
                     sum(p["summary"]["forked"] for p in group),
                     sum(p["summary"]["n_prompts"] for p in group),
                 ),
+                held_out=held_out(group),
             )
         )
     return rows

@@ -53,6 +53,7 @@ MODEL_SECTIONS: list[tuple[str, Section]] = [
     ("Pairwise differences, largest first", pairs.pairs_table),
     *_stage_sections(),
     ("Distance from the exact answer", distance.exact_distance),
+    ("Error budget", distance.error_budget),
     ("Distance from the reference", pairs.reference_distance),
     ("Distance from the reference model", distance.reference_model_distance),
     ("Tolerances for tests", pairs.tolerance_table),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from qdiff.compare.budget import verdict
+from qdiff.compare.distance import ranked, typical
+from qdiff.exact.roundings import SOURCE_LABELS
 from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
 
@@ -15,8 +18,10 @@ def legend(view: ModelView) -> str:
         "rounding and no summation order of any backend (`src/qdiff/exact/`). Every "
         f"combination is measured against it: at the first step {view.first_step_tokens}, with KL as "
         "KL(exact ‖ combination), and along the teacher's text at every forced position over "
-        "the logits teacher forcing keeps. ★ marks the combination closest to exact (smallest "
-        "first-step max \\|Δ\\|). An f16 copy's distance includes the rounding of its weights."
+        "the logits teacher forcing keeps. ★ marks the combination closest to exact over all "
+        "prompts (the smallest geometric mean of the per-prompt first-step max \\|Δ\\|, the "
+        "column *typical*; rows in that order). An f16 copy's distance includes the rounding of "
+        "its weights."
     )
 
 
@@ -42,9 +47,7 @@ def exact_distance(view: ModelView) -> str:
         return f"_No exact reference: {text(d.get('reason', d['status']))}._"
     exact = d["exact"]
     rows = []
-    ok = sorted(
-        (r for r in d["rows"] if r["status"] == "ok"), key=lambda r: r["first_step"]["max_abs"]
-    )
+    ok = ranked(d["rows"])
     for r in ok + [r for r in d["rows"] if r["status"] != "ok"]:
         name = code(r["combination"]) + (" ★" if r["combination"] == d["closest"] else "")
         if r["status"] != "ok":
@@ -54,6 +57,7 @@ def exact_distance(view: ModelView) -> str:
         rows.append(
             {
                 "combination": name,
+                "typical": num(typical(r)),
                 "max \\|Δ\\|": num(s["max_abs"]),
                 "RMS": num(s["rms"]),
                 "NMSE": num(s["nmse"]),
@@ -70,6 +74,57 @@ def exact_distance(view: ModelView) -> str:
         f"{exact['peak_rss_mib']:.0f} MiB."
     )
     return head + "\n\n" + table(rows)
+
+
+BUDGET_LEGEND = (
+    "How much of each combination's distance from exact (first-step max \\|Δ\\| over the "
+    "full vocabulary; the median over prompts, the worst in brackets) llama.cpp's rounding "
+    "sources explain: the float64 engine "
+    "with one source switched on (`src/qdiff/exact/roundings.py` says what each follows in "
+    "llama.cpp's code), then all of the combination's sources together, and the run against "
+    "that emulation (*residual*). The *floor*, per prompt, is the larger of the emulation "
+    "against itself with every rounding's input moved by a float32 sum's error (2^-20, at "
+    "random, two draws: where an input lies that close to a rounding boundary, llama.cpp may "
+    "round it the other way) and the run against itself in other ubatches (the serving "
+    "stage's `ubatch-n` cases, on its prompts). A faithful emulation leaves each prompt "
+    "within its floor with probability 2/3; *explained* means the prompts within it are "
+    "not too few for that (binomial test, p ≥ 0.01), *unexplained* that the run rounds "
+    "somewhere the emulation does not follow. Where the floor is about as large as the "
+    "distance itself (*floor / from exact* near 1 or above), the sources account for the "
+    "distance's size; which way each input near a rounding boundary went, no emulation "
+    "follows at the logits."
+)
+
+
+def _budget_row(name: str, b: dict[str, Any], sources: list[str]) -> dict[str, str]:
+    if b["status"] != "ok":
+        return {"combination": name, "from exact": f"n/a: {text(b['reason'])}"}
+    alone = {s["name"]: num(s["median"]) for s in b["sources"]}
+    return {
+        "combination": name,
+        "from exact": f"{num(b['distance']['median'])} ({num(b['distance']['max'])})",
+        **{SOURCE_LABELS[s]: alone.get(s, "–") for s in sources},
+        "all together": f"{num(b['together']['median'])} ({num(b['together']['max'])})",
+        "residual": num(b["residual"]["median"]),
+        "floor": num(b["floor"]["median"]),
+        "residual / floor": f"{b['ratio_median']:.2g}",
+        "floor / from exact": f"{b['floor']['median'] / b['distance']['median']:.2g}",
+        "within floor": count(b["within_floor"], b["n_prompts"]),
+        "reading": f"{verdict(b)} (p = {b['p_value']:.2g})",
+    }
+
+
+def error_budget(view: ModelView) -> str:
+    d = view.exact
+    if d is None or d["status"] != "ok":
+        return "_No exact reference, so no error budget._"
+    budgets = [(r["combination"], r["budget"]) for r in d["rows"] if "budget" in r]
+    if not budgets:
+        return "_No combination whose rounding sources qdiff's engine follows (CPU, for now)._"
+    names = {s["name"] for _, b in budgets if b["status"] == "ok" for s in b["sources"]}
+    sources = [s for s in SOURCE_LABELS if s in names]
+    rows = [_budget_row(code(c), b, sources) for c, b in budgets]
+    return BUDGET_LEGEND + "\n\n" + table(rows)
 
 
 def reference_model_distance(view: ModelView) -> str:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from qdiff.compare.distance import ranked, typical
 from qdiff.compare.pairs import headline, label
+from qdiff.compare.stats import LEVEL, paired_ratio
 from qdiff.core.records import failure_text
 from qdiff.core.stages import RUN, STAGES
-from qdiff.judge.diagnosis import plural
+from qdiff.judge.diagnosis import fork_sites, plural
 from qdiff.report.fmt import cell, code, count, num, table, text
 from qdiff.report.view import ModelView
 
@@ -34,17 +36,24 @@ def found(views: list[ModelView]) -> str:
         sentences.append(
             f"{plural(rest, 'more model')} {'has its' if rest == 1 else 'have their'} own section{'' if rest == 1 else 's'}."
         )
-    forced = [p["forced"] for v in views for p in v.forced_pairs]
-    forks = sum(len(f["forks"]) for f in forced)
-    if forced:
-        sentences.append(
-            f"Along the teacher's text, the pairs forked {plural(forks, 'time')} in all: "
-            f"{plural(sum(f['near_ties'] for f in forced), 'near tie')}, "
-            f"{plural(sum(f['red_flags'] for f in forced), 'red flag')} and "
-            f"{sum(f.get('undetermined', 0) for f in forced)} undetermined "
-            "(the teacher-forced tables)."
-        )
+    if any(v.forced_pairs for v in views):
+        sentences.append(_fork_sites([fork_sites(v.forced_pairs) for v in views]))
     return "\n".join(f"- {s}" for s in sentences) or "_No model ran._"
+
+
+def _fork_sites(per_model: list[dict[tuple[str, int], list[str]]]) -> str:
+    """Forks along the teacher's text counted once per distinct site (model, prompt,
+    position), however many pairs fork there; each pair's own forks are in its table."""
+    sites = [kinds for model in per_model for kinds in model.values()]
+    ties = sum(all(k == "near tie" for k in kinds) for kinds in sites)
+    flagged = sum("red flag" in kinds for kinds in sites)
+    return (
+        f"Along the teacher's text, the pairs forked {plural(sum(map(len, sites)), 'time')} "
+        f"at {plural(len(sites), 'distinct site')} (model, prompt, position): "
+        f"{ties} near ties in every pair that forks there, {flagged} with a red flag and "
+        f"{len(sites) - ties - flagged} undetermined (each pair's forks: the teacher-forced "
+        "tables)."
+    )
 
 
 def _found(view: ModelView) -> str:
@@ -65,18 +74,36 @@ def _found(view: ModelView) -> str:
                 f"{count(s['forked'], s['n_prompts'])} greedy texts fork)"
             )
     exact = view.exact or {}
-    rows = sorted(
-        (r for r in exact.get("rows", []) if r["status"] == "ok"),
-        key=lambda r: r["first_step"]["max_abs"],
-    )
+    rows = ranked(exact.get("rows", []))
     if exact.get("status") == "ok" and len(rows) > 1:
         near, far = rows[0], rows[-1]
-        said += (
-            f"; {code(near['combination'])} is closest to the exact answer (max |Δ| "
-            f"{num(near['first_step']['max_abs'])}), {code(far['combination'])} farthest "
-            f"({num(far['first_step']['max_abs'])})"
-        )
+        if all(r["first_step"].get("max_abs_by_prompt") for r in rows):
+            said += (
+                f"; {code(near['combination'])} is closest to the exact answer "
+                f"({_nearest(near, rows[1])}), {code(far['combination'])} farthest "
+                f"({num(typical(far))}; first-step max |Δ|, geometric mean over prompts)"
+            )
+        else:  # distances made by an older qdiff: worst prompts only, no ranking claimed
+            said += (
+                f"; {code(near['combination'])} has the smallest worst-prompt distance from "
+                f"the exact answer (max |Δ| {num(near['first_step']['max_abs'])}), "
+                f"{code(far['combination'])} the largest "
+                f"({num(far['first_step']['max_abs'])})"
+            )
     return said + "."
+
+
+def _nearest(near: dict[str, Any], second: dict[str, Any]) -> str:
+    """How the nearest combination compares with the next, over the prompts."""
+    a, b = near["first_step"]["max_abs_by_prompt"], second["first_step"]["max_abs_by_prompt"]
+    r = paired_ratio(a, b)  # b / a, prompt by prompt: at least 1 (``a`` is the nearer)
+    versus = (
+        f"{r['ratio']:.3g}× nearer than {code(second['combination'])}"
+        if r["verdict"] == "farther"
+        else f"indistinguishable from {code(second['combination'])} on these prompts, ratio "
+        f"{r['ratio']:.3g}"
+    )
+    return f"{num(typical(near))}; {versus}, {LEVEL:.0%} interval {r['low']:.3g}–{r['high']:.3g}"
 
 
 def failures(views: list[ModelView]) -> str:

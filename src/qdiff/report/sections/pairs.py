@@ -9,6 +9,7 @@ import numpy as np
 
 from qdiff.compare.metrics import PAIR_METRICS, median, percentile
 from qdiff.compare.pairs import headline
+from qdiff.compare.stats import LEVEL, wilson
 from qdiff.judge.tolerance import HEADROOM, tolerances
 from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
@@ -106,6 +107,15 @@ def reference_distance(view: ModelView) -> str:
     )
 
 
+def _held_out(held: tuple[int, int]) -> str:
+    """A leave-one-prompt-out coverage with its interval (qdiff.judge.tolerance.held_out)."""
+    k, n = held
+    if n == 0:
+        return "not checked (fewer than 2 prompts)"
+    low, high = wilson(k, n)
+    return f"{count(k, n)} ({LEVEL:.0%} interval {low:.0%}–{high:.0%})"
+
+
 def tolerance_table(view: ModelView) -> str:
     rows = tolerances(view.pairs)
     if not rows:
@@ -129,6 +139,7 @@ def tolerance_table(view: ModelView) -> str:
                 "texts forked": count(*t.forked),
                 "recommended atol": num(t.atol),
                 "largest / atol": f"{t.largest / t.atol:.2f}" if t.atol else "–",
+                "held out: prompts within": _held_out(t.held_out),
             }
         )
     first = next((t for t in rows if t.dequant == "none"), rows[0])
@@ -155,13 +166,15 @@ def tolerance_table(view: ModelView) -> str:
             + (f", {count(*first.top1_forced)} forced positions" if first.top1_forced else "")
             + "): do not assert the argmax\n"
         )
-        + f"# greedy text forked in {count(*first.forked)} comparisons: compare logits, not text\n```"
+        + f"# greedy text forked in {count(*first.forked)} comparisons: compare logits, not text\n"
+        + f"# out of sample (derived without each prompt in turn): {_held_out(first.held_out)}\n```"
     )
     return (
         f"Each row covers every pair of combinations that ran the same file and differ only "
         f"as the first column says. The recommended atol is {HEADROOM:g}× the largest difference "
-        "over all of its data, rounded up, so nothing compared exceeds it.\n\n"
-        + table(out)
-        + "\n\n"
-        + snippet
+        "over all of its data, rounded up, so nothing compared exceeds it. That says nothing "
+        "of other prompts: *held out* derives the atol in the same way without one prompt and "
+        "checks it on that prompt, each prompt in turn (first step, full vocabulary), with the "
+        "coverage's Wilson interval. A test on prompts like these fails about as often as "
+        "held-out prompts fall outside.\n\n" + table(out) + "\n\n" + snippet
     )

@@ -1,0 +1,150 @@
+"""A combination's error budget: how much of its distance from exact each of llama.cpp's
+rounding sources explains, against the floor below which no emulation can be told apart.
+
+Per combination whose sources the engine follows (qdiff.exact.roundings), over the first
+step of every prompt (max |Δ| over the full vocabulary, per prompt):
+- ``distance``: the run against exact;
+- each source alone, and all of the combination's sources together, against exact;
+- ``residual``: the run against the engine with all of its sources: what they leave;
+- ``floor``: the larger of (a) the emulation against itself with every rounding's input
+  moved by about a float32 sum's error (``jittered``: where an input lies that close to a
+  rounding boundary, llama.cpp's float32 value may round the other way) and (b) the run
+  against itself in other ubatches (the serving stage's ``ubatch-n`` cases, on its prompts:
+  only the order of its float32 sums changes).
+
+If the emulation follows every rounding the run makes, the run is one more draw of what
+the jittered emulations are, so each prompt's residual is within its floor (the larger of
+J draws) with probability J/(J+1). The combination is ``explained`` unless its prompts
+within the floor are too few for that (a one-sided binomial test at ALPHA), and
+``unexplained`` otherwise: a rounding the run makes and the emulation does not follow. The
+median ratio residual / floor says by how much; no single prompt decides.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from qdiff.core.records import failure_text
+from qdiff.exact.roundings import FA_TILE_Q, SOURCE_LABELS, plan
+
+ALPHA = 0.01  # the test's level: "unexplained" is wrong once in a hundred faithful emulations
+
+
+def _spread(per_prompt: np.ndarray) -> dict[str, float]:
+    return {"max": float(per_prompt.max()), "median": float(np.median(per_prompt))}
+
+
+def _max_abs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.abs(a.astype(np.float64) - b.astype(np.float64)).max(axis=1)
+
+
+def ubatch_floor(
+    serving: dict[str, Any] | None, run: dict[str, Any], flash_attn: bool
+) -> dict[str, float]:
+    """The largest first-step change of the run when only its ubatch size changes, per
+    serving prompt (none without such a case). With CPU flash attention, a prompt of at
+    least FA_TILE_Q tokens takes another path in smaller ubatches (qdiff.exact.roundings),
+    which changes roundings and not only the order of sums: such prompts are left out."""
+    if serving is None or serving.get("status") != "ok":
+        return {}
+    lengths = {p["id"]: len(p["prompt_tokens"]) for p in run["prompts"]}
+    by_prompt: dict[str, float] = {}
+    for case in serving["cases"]:
+        if case["kind"] != "ubatch":
+            continue
+        for row in case["prompts"]:
+            if row["status"] != "ok" or row.get("max_abs_first_step") is None:
+                continue
+            if flash_attn and lengths.get(row["id"], 0) >= FA_TILE_Q:
+                continue
+            by_prompt[row["id"]] = max(by_prompt.get(row["id"], 0.0), row["max_abs_first_step"])
+    return by_prompt
+
+
+def budget(
+    plan: dict[str, Any],
+    emulated: dict[str, np.ndarray],
+    applies: dict[str, bool],
+    exact: np.ndarray,
+    logits: np.ndarray,
+    prompt_ids: list[str],
+    ubatch: dict[str, float],
+) -> dict[str, Any]:
+    """One combination's budget (see the module's docstring); ``plan`` is its entry of
+    qdiff.exact.roundings.plan, ``emulated`` the engine's first steps by set id, ``applies``
+    which sources can change anything for this model, ``ubatch`` the run's floor by prompt."""
+    if "not_emulated" in plan:
+        return {"status": "n/a", "reason": plan["not_emulated"]}
+    sources = []
+    for name, config in plan["sources"].items():
+        if not applies.get(name, True):
+            continue
+        sources.append(
+            {"name": name, "label": SOURCE_LABELS[name]}
+            | _spread(_max_abs(emulated[config], exact))
+        )
+    together = emulated[plan["together"]]
+    residual = _max_abs(together, logits)
+    jitter = np.max([_max_abs(emulated[j], together) for j in plan["jittered"]], axis=0)
+    run_floor = np.array([ubatch.get(p, 0.0) for p in prompt_ids])
+    floor = np.maximum(jitter, run_floor)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(floor > 0, residual / floor, np.where(residual > 0, np.inf, 0.0))
+    return {
+        "status": "ok",
+        "n_prompts": len(prompt_ids),
+        "distance": _spread(_max_abs(logits, exact)),
+        "sources": sources,
+        "together": _spread(_max_abs(together, exact)),
+        "residual": _spread(residual),
+        "floor": _spread(floor),
+        "floor_parts": {
+            "jittered": _spread(jitter),
+            "ubatch": {p: ubatch[p] for p in prompt_ids if p in ubatch},
+        },
+        "ratio_median": float(np.median(ratio)),
+        "within_floor": int((residual <= floor).sum()),
+        "p_value": binomial_tail(
+            int((residual <= floor).sum()), len(prompt_ids), len(plan["jittered"])
+        ),
+    }
+
+
+def binomial_tail(within: int, n: int, draws: int) -> float:
+    """P(at most ``within`` of ``n`` prompts within the floor) when each is with probability
+    draws / (draws + 1): how unlikely so few are for a faithful emulation."""
+    p = draws / (draws + 1)
+    return float(sum(math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(within + 1)))
+
+
+def combination_budget(
+    record: dict[str, Any],
+    logits: np.ndarray,
+    serving: dict[str, Any] | None,
+    roundings: tuple[dict[str, Any], dict[str, np.ndarray]],
+    exact_first: np.ndarray,
+) -> dict[str, Any]:
+    """``budget`` for one run (its record and first-step logits), from the engine's
+    emulations (``roundings``: the exact_roundings record and arrays) and its serving
+    job's record (the floor), or why there is none."""
+    entry = plan({"run": (record["settings"], record["dequant"])})[1]["run"]
+    emulation, emulated = roundings
+    if emulation["status"] != "ok":
+        return {"status": "n/a", "reason": f"no emulation: {failure_text(emulation)}"}
+    ids = [p["id"] for p in record["prompts"]]
+    if ids != emulation["prompt_ids"]:
+        return {"status": "n/a", "reason": "the run and the emulation have other prompts"}
+    needed = [entry["together"], *entry["jittered"]] if "sources" in entry else []
+    if any(config not in emulated for config in needed):
+        return {"status": "n/a", "reason": "the emulation of these settings was not computed"}
+    ubatch = ubatch_floor(serving, record, bool(record["settings"].get("flash_attn")))
+    return budget(entry, emulated, emulation["applies"], exact_first, logits, ids, ubatch)
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """``unexplained`` when the prompts within the floor are too few for a faithful
+    emulation (p < ALPHA), else ``explained``."""
+    return "unexplained" if row["p_value"] < ALPHA else "explained"

@@ -1,0 +1,275 @@
+"""llama.cpp's rounding sources, as switches of the float64 engine (qdiff.exact.model).
+
+Each switch applies one rounding that a backend's kernels apply, read from llama.cpp's
+source at the commit llama-cpp-python 0.3.36 vendors, and nothing else, so the engine with
+a combination's switches on computes what that combination computes up to the order of its
+float32 sums. What each switch follows:
+
+- ``activations`` (CPU): a matmul with a quantized weight first quantizes its input rows to
+  the weight type's ``vec_dot_type`` (ggml-cpu/ggml-cpu.c ``type_traits_cpu``): Q8_0 for
+  Q4_0, Q5_0, Q8_0, IQ4_NL (blocks of 32, ``quantize_row_q8_0``: d = amax/127 stored in
+  fp16, round to nearest even); Q8_1 for Q4_1, Q5_1 (the values of Q8_0, and a block sum
+  rounded to fp16 that meets the weight's block minimum: ``q8_1_sum_error``); Q8_K for the
+  K-quants (blocks of 256, ``quantize_row_q8_K_ref``: iscale = -127/max of the block's
+  largest magnitude, d = 1/iscale in float32, values clamped at 127); an f16 or bf16 weight
+  rounds its input to f16 or bf16. The integer dot products that follow are exact.
+- ``kv_f16``: K and V stored in an f16 KV cache.
+- ``qp_f16`` (CPU, no flash attention): Q·Kᵀ and P·V are ``ggml_mul_mat`` with an f16
+  first operand, so Q and the softmax weights P are rounded to f16 (its vec_dot_type).
+- ``flash_cpu`` (CPU flash attention, ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_
+  ext_f16``): a ubatch of fewer than ``GGML_FA_TILE_Q`` (64) query rows takes the one-row
+  path, which rounds Q to f16 and accumulates P·V in an f16 accumulator, rounded after
+  every key (``ggml_vec_mad_f16``, ``ggml_vec_scale_f16``); a larger ubatch takes the
+  tiled path, float32 throughout but for the stored K and V.
+- ``gelu_table`` (CPU): GELU read from an fp16 table (ggml-cpu/vec.h, GGML_GELU_FP16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+FA_TILE_Q = 64  # ggml-cpu/common.h GGML_FA_TILE_Q: query rows of the tiled flash-attention path
+
+# ggml-cpu type_traits_cpu: the input format of a matmul with a weight of this type
+VEC_DOT_TYPE = {
+    "f32": "f32",
+    "f16": "f16",
+    "bf16": "bf16",
+    **dict.fromkeys(("q4_0", "q5_0", "q8_0", "iq4_nl", "mxfp4"), "q8_0"),
+    **dict.fromkeys(("q4_1", "q5_1"), "q8_1"),
+    **dict.fromkeys(
+        ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq3_s")
+        + ("iq2_s", "iq1_s", "iq1_m", "iq4_xs", "tq1_0", "tq2_0"),
+        "q8_k",
+    ),
+}
+
+
+class NotEmulatedError(ValueError):
+    """A rounding the engine does not follow (a weight type, a KV cache type, a backend)."""
+
+
+@dataclass(frozen=True)
+class Roundings:
+    activations: bool = False
+    kv_f16: bool = False
+    qp_f16: bool = False
+    flash_cpu: bool = False
+    gelu_table: bool = False
+    n_ubatch: int = 512  # decides which rows take flash attention's one-row path
+    # >0: the seed of a float32-sized perturbation of every rounding's input (``jittered``)
+    jitter: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Roundings:
+        return cls(**values)
+
+
+JITTER_SEEDS = (1, 2)  # two draws: the floor is the larger of their distances
+JITTER = 2.0**-20  # about the error of a float32 sum of 256 terms (16 ulps), relative
+
+
+def jittered(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``x`` with each value moved by up to JITTER (relative), at random: an input llama.cpp
+    could as well have computed, in float32 and another order of its sums. Where an input
+    lies that close to a rounding boundary (of Q8_0, of f16), the rounding goes either way:
+    how much that moves the logits is the floor below which no emulation can be told apart
+    from the run (measured on tiny models: the emulation of every CPU source is that far
+    from llama.cpp, and so is a jittered emulation from the plain one)."""
+    return x * (1.0 + JITTER * rng.uniform(-1.0, 1.0, x.shape))
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    """Rounded to fp16 (round to nearest even, as ggml's conversions) and back."""
+    return np.asarray(x, dtype=np.float16).astype(np.float64)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """Rounded to bf16 (ggml_compute_fp32_to_bf16: round to nearest even) and back."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return rounded.view(np.float32).astype(np.float64)
+
+
+def _blocks(x: np.ndarray, size: int) -> np.ndarray:
+    if x.shape[-1] % size:
+        raise NotEmulatedError(f"rows of {x.shape[-1]} values do not split into blocks of {size}")
+    return np.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], -1, size)
+
+
+def q8_0(x: np.ndarray) -> np.ndarray:
+    """``quantize_row_q8_0`` (x86 AVX: id = 127/amax) and back: per block of 32, the scale
+    d = amax/127 kept in fp16, each value rounded to the nearest integer multiple of it."""
+    b = _blocks(x, 32)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0))
+    q = np.rint(b * inverse)
+    return (q * d.astype(np.float16).astype(np.float32)).reshape(x.shape).astype(np.float64)
+
+
+def q8_k(x: np.ndarray) -> np.ndarray:
+    """``quantize_row_q8_K_ref`` and back: per block of 256, iscale = -127/max (the value of
+    largest magnitude, its sign kept), q = min(127, round(iscale·x)), d = 1/iscale."""
+    b = _blocks(x, 256)
+    first_largest = np.abs(b).argmax(axis=-1)[..., None]
+    peak = np.take_along_axis(b, first_largest, axis=-1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(peak != 0, np.float32(-127) / peak, np.float32(0))
+        d = np.where(peak != 0, np.float32(1) / iscale, np.float32(0))
+    q = np.minimum(np.float32(127), np.rint(iscale * b))
+    return (q * d).reshape(x.shape).astype(np.float64)
+
+
+def q8_1_sum_error(x: np.ndarray) -> np.ndarray:
+    """What ``quantize_row_q8_1`` adds to a Q4_1/Q5_1 dot product beyond its Q8_0 values:
+    per block of 32, its sum is kept as s = fp16(d·Σq) with the unrounded d, and the dot
+    product takes the weight's block minimum times s, not times fp16(d)·Σq. Returns s minus
+    the latter, per block (rows, blocks)."""
+    b = _blocks(x, 32)
+    amax = np.abs(b).max(axis=-1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax != 0, np.float32(127) / amax, np.float32(0))
+    total = np.rint(b * inverse[..., None]).sum(axis=-1)
+    kept = (d * total).astype(np.float16).astype(np.float64)
+    return kept - d.astype(np.float16).astype(np.float64) * total
+
+
+ACTIVATION_ROUNDING = {"f32": None, "f16": f16, "bf16": bf16, "q8_0": q8_0, "q8_1": q8_0}
+ACTIVATION_ROUNDING["q8_k"] = q8_k
+
+
+def round_activations(x: np.ndarray, weight_type: str) -> np.ndarray:
+    """A matmul's input as the CPU backend hands it to the dot products with a weight of
+    ``weight_type`` (gguf's name, any case)."""
+    kind = VEC_DOT_TYPE.get(weight_type.lower())
+    if kind is None:
+        raise NotEmulatedError(f"the CPU's activation format for {weight_type} weights")
+    rounding = ACTIVATION_ROUNDING[kind]
+    return x if rounding is None else rounding(x)
+
+
+def flash_rows_one_by_one(n_tokens: int, n_ubatch: int) -> np.ndarray:
+    """Which of a prompt's rows CPU flash attention computes on its one-row path: those in a
+    ubatch of fewer than FA_TILE_Q rows (a prompt is split into ubatches of n_ubatch)."""
+    sizes = [min(n_ubatch, n_tokens - start) for start in range(0, n_tokens, n_ubatch)]
+    return np.repeat(np.array([s < FA_TILE_Q for s in sizes], dtype=bool), sizes)
+
+
+def flash_one_row(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, masked: np.ndarray, scale: float
+) -> np.ndarray:
+    """CPU flash attention's one-row path (``ggml_compute_forward_flash_attn_ext_f16_one_
+    chunk`` with an f16 K and V): Q rounded to f16, an online softmax over the keys in order,
+    and P·V accumulated in f16, rounded after every key. ``q`` (n, heads, d) and ``k``, ``v``
+    (n, heads, d) already expanded to the query heads and stored as f16; ``masked`` (n, n)."""
+    q = f16(q)
+    n, heads, d = q.shape
+    top = np.full((n, heads), -np.inf)
+    total = np.zeros((n, heads))
+    acc = np.zeros((n, heads, d))
+    for key in range(n):
+        live = ~masked[:, key]
+        s = np.einsum("nhd,hd->nh", q, k[key]) * scale
+        higher = live[:, None] & (s > top)
+        ms = np.where(higher, np.exp(top - s), 1.0)  # exp(-inf) = 0 at the first key
+        below = np.where(live[:, None] & ~higher, s - top, 0.0)
+        vs = np.where(higher, 1.0, np.exp(below))
+        top = np.where(higher, s, top)
+        acc = np.where(higher[..., None], f16(acc * ms[..., None]), acc)
+        acc = np.where(live[:, None, None], f16(acc + v[key][None] * vs[..., None]), acc)
+        total = np.where(live[:, None], total * ms + vs, total)
+    return acc / total[..., None]
+
+
+SOURCE_LABELS = {
+    "activations": "activations quantized",
+    "kv_f16": "f16 K/V cache",
+    "qp_f16": "f16 Q and softmax weights",
+    "flash_cpu": "flash attention's f16 Q and accumulator",
+    "gelu_table": "fp16 GELU table",
+}
+
+
+def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
+    """The rounding sources of one combination (its device's recorded settings and its
+    file), each alone. Every CPU source is named; those that change nothing for a model
+    (the GELU table of a SiLU model, activations before f32 weights) are dropped later, when
+    the model's architecture and weight types are read. Raises NotEmulatedError where the
+    engine does not follow the backend's roundings."""
+    backend = settings["backend"]
+    if backend != "cpu":
+        raise NotEmulatedError(f"the {backend} backend's roundings are not emulated yet")
+    if settings.get("extra_bufts"):
+        raise NotEmulatedError("repacked weights (extra_bufts: true) are not emulated")
+    if dequant not in ("none", "f32"):
+        raise NotEmulatedError(f"the {dequant} copy's weights are not the file's")
+    kv = settings.get("kv_cache_type", "f16")
+    if kv not in ("f16", "f32"):
+        raise NotEmulatedError(f"a {kv} KV cache is not emulated")
+    sources = {"gelu_table": Roundings(gelu_table=True)}
+    if dequant == "none":
+        sources["activations"] = Roundings(activations=True)
+    if kv == "f16":
+        sources["kv_f16"] = Roundings(kv_f16=True)
+        if settings.get("flash_attn"):
+            n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
+            sources["flash_cpu"] = Roundings(flash_cpu=True, n_ubatch=n_ubatch)
+        else:
+            sources["qp_f16"] = Roundings(qp_f16=True)
+    return sources
+
+
+def together(sources: dict[str, Roundings]) -> Roundings:
+    """Every source of ``sources`` at once."""
+    switched = {
+        f.name: any(getattr(r, f.name) for r in sources.values())
+        for f in fields(Roundings)
+        if f.type == "bool"
+    }
+    n_ubatch = max((r.n_ubatch for r in sources.values() if r.flash_cpu), default=512)
+    return Roundings(**switched, n_ubatch=n_ubatch)
+
+
+def config_id(r: Roundings) -> str:
+    """A name for a set of switches, the same for equal sets (n_ubatch counts only with
+    flash attention), used as a key of the engine's outputs."""
+    on = [f.name for f in fields(r) if f.type == "bool" and getattr(r, f.name)]
+    name = "+".join(on) + (f"@ub{r.n_ubatch}" if r.flash_cpu else "") if on else "exact"
+    return name + (f"~{r.jitter}" if r.jitter else "")
+
+
+def plan(
+    combinations: dict[str, tuple[dict[str, Any], str]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """For a model's combinations (label -> (device settings, dequant)): the engine's sets
+    of switches to compute, each once (id -> Roundings fields), and per combination its
+    sources (name -> id), all of them at once (``together``: id) and that again with its
+    inputs jittered (``jittered``: ids, one per seed: the emulation's floor), or why none
+    is emulated (``not_emulated``)."""
+    configs: dict[str, dict[str, Any]] = {}
+    per_combination: dict[str, dict[str, Any]] = {}
+    for label, (settings, dequant) in combinations.items():
+        try:
+            sources = sources_of(settings, dequant)
+        except NotEmulatedError as exc:
+            per_combination[label] = {"not_emulated": str(exc)}
+            continue
+        all_of = together(sources)
+        jitters = [replace(all_of, jitter=seed) for seed in JITTER_SEEDS]
+        for r in [*sources.values(), all_of, *jitters]:
+            configs[config_id(r)] = r.as_dict()
+        per_combination[label] = {
+            "sources": {name: config_id(r) for name, r in sources.items()},
+            "together": config_id(all_of),
+            "jittered": [config_id(r) for r in jitters],
+        }
+    return dict(sorted(configs.items())), per_combination
