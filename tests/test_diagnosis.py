@@ -157,7 +157,10 @@ def test_no_device_blame_when_same_device_changes_are_small() -> None:
 def test_activation_formats_follow_the_backend() -> None:
     types = ["f32", "q4_K", "q5_0", "q4_1"]
     assert BACKENDS["cpu"].activation_formats(types) == "cpu: q5_0→Q8_0; q4_1→Q8_1; q4_K→Q8_K"
-    assert BACKENDS["metal"].activation_formats(types).endswith("activations not quantized")
+    assert "activations not quantized (rounded to f16 in matmuls of more than 8 tokens)" in (
+        BACKENDS["metal"].activation_formats(types)
+    )
+    assert BACKENDS["cpu"].activation_formats(["mxfp4"]) == "cpu: mxfp4→Q8_0"  # ggml-cpu.c
     assert BACKENDS["cpu"].activation_formats(["f32"]) == "cpu: no quantized weights"
     for backend in BACKENDS.values():  # every backend says what it does; none is silent
         assert backend.activation_formats(types).startswith(f"{backend.name}: q")

@@ -276,8 +276,9 @@ def test_the_findings_quote_the_largest_pair_and_the_distance_from_exact() -> No
     views[0].exact = exact
     text = overview.found(views)
     assert text.startswith(
-        "- On `m0`, `a.none` and `b.none` differ most (first-step max |Δ| 1.79; 1/4 greedy texts "
-        "fork); `cpu.f32` has the smallest worst-prompt distance from the exact answer (max |Δ| "
+        "- On `m0`, `a.none` and `b.none` differ most (first-step max |Δ|, geometric mean over 4 prompts "
+        "0.99, worst 1.79; 1/4 greedy texts fork; 3.58× the next, `cpu.none` vs `cpu.f32`, 95% "
+        "interval 3.58–3.58); `cpu.f32` has the smallest worst-prompt distance from the exact answer (max |Δ| "
         "0.0136), `cpu.none` the largest (1.48).\n- On `m1`,"
     )
     assert "1 more model has its own section." in text and "On `m3`" not in text

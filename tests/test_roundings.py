@@ -179,3 +179,12 @@ def test_each_combination_gets_its_backends_sources() -> None:
     every = [c for entry in by_combination.values() for c in entry.get("sources", {}).values()]
     assert set(every) <= set(configs) and len(configs) == len(set(configs))
     assert len(by_combination["cpu.none"]["jittered"]) == len(JITTER_SEEDS)
+
+
+def test_flash_attention_rounds_an_f32_caches_k_and_v_to_f16() -> None:
+    """llama-graph.cpp casts an f32 K and V to f16 for ggml_flash_attn_ext: an f32 KV cache
+    with flash attention still has the f16 K/V source, without it not."""
+    f32_cache = DeviceSettings(backend="cpu", kv_cache_type="f32").as_dict()
+    assert "kv_f16" not in sources_of(f32_cache, "f32")
+    flash = sources_of({**f32_cache, "flash_attn": True}, "f32")
+    assert {"kv_f16", "flash_cpu"} <= set(flash)

@@ -19,7 +19,7 @@ import numpy as np
 from qdiff.compare.forced import compare_forced, first_step_metrics, with_probabilities
 from qdiff.compare.metrics import METRICS, logit_metrics, median, percentile, summarise
 from qdiff.compare.pairs import label
-from qdiff.compare.stats import TINY
+from qdiff.compare.stats import geometric_mean
 from qdiff.core.records import failure_text
 
 
@@ -109,7 +109,7 @@ def typical(row: dict[str, Any]) -> float:
     per_prompt = row["first_step"].get("max_abs_by_prompt")
     if not per_prompt:
         return float(row["first_step"]["max_abs"])
-    return float(np.exp(np.mean(np.log(np.maximum(per_prompt, TINY)))))
+    return geometric_mean(per_prompt)
 
 
 def ranked(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -47,3 +47,8 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return float(max(0.0, centre - half)), float(min(1.0, centre + half))
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    """The mean that ``paired_ratio`` compares: rankings by it agree with its verdicts."""
+    return float(np.exp(np.mean(np.log(np.maximum(np.asarray(values, dtype=np.float64), TINY)))))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 _FLOAT_WEIGHTS = {"f32", "f16", "bf16"}
 # CPU: the activation format of a quantized matmul is the weight type's vec_dot_type
 # (ggml-cpu type traits; docs/background.md).
-_CPU_Q8_0 = {"q4_0", "q5_0", "q8_0", "iq4_nl"}
+_CPU_Q8_0 = {"q1_0", "q2_0", "q4_0", "q5_0", "q8_0", "iq4_nl", "mxfp4", "nvfp4"}
 _CPU_Q8_1 = {"q4_1", "q5_1"}
 
 
@@ -114,7 +114,8 @@ BACKENDS: dict[str, Backend] = {
             on_gpu=True,
             cmake_args="-DGGML_METAL=on",
             activations=lambda q: (
-                f"{','.join(q)} dequantized in the kernel, activations not quantized"
+                f"{','.join(q)} dequantized in the kernel, activations not quantized (rounded "
+                "to f16 in matmuls of more than 8 tokens)"
             ),
         ),
         Backend(
@@ -122,11 +123,16 @@ BACKENDS: dict[str, Backend] = {
             registries=frozenset({"Vulkan"}),
             on_gpu=True,
             cmake_args="-DGGML_VULKAN=on",
-            # ggml-vulkan.cpp: ggml_vk_mul_mat_q_f16 (batches), ggml_vk_should_use_mmvq (one token)
+            # ggml-vulkan.cpp: ggml_vk_mul_mat_vec_q_f16 up to 8 tokens (mul_mat_vec_max_cols),
+            # quantizing where ggml_vk_should_use_mmvq says (vendor, k, type) and the device
+            # has integer dot products; beyond, ggml_vk_mul_mat_q_f16, whose coopmat2 branch
+            # has no q8_1 (MMQ) pipelines and so rounds the activations to f16
             activations=lambda q: (
-                f"{','.join(q)}: batches →q8_1 with integer dot products, or on coopmat2 GPUs "
-                "activations (and f32 weights) rounded to f16; one token: dequantized in the "
-                "shader with f32 activations, or →q8_1 where ggml-vulkan picks MMVQ"
+                f"{','.join(q)}: one token: f32 activations unless ggml_vk_should_use_mmvq "
+                "picks q8_1 (by vendor, row length and type); 2-8 tokens: →q8_1 with integer "
+                "dot products (not Q6_K, except on Intel); more (a prompt): rounded to f16 on "
+                "coopmat2 GPUs and on coopmat1 GPUs without an MMQ pipeline, else →q8_1 (MMQ) "
+                "with integer dot products"
             ),
         ),
     )

@@ -13,7 +13,8 @@ float32 sums. What each switch follows:
   K-quants (blocks of 256, ``quantize_row_q8_K_ref``: iscale = -127/max of the block's
   largest magnitude, d = 1/iscale in float32, values clamped at 127); an f16 or bf16 weight
   rounds its input to f16 or bf16. The integer dot products that follow are exact.
-- ``kv_f16``: K and V stored in an f16 KV cache.
+- ``kv_f16``: K and V stored in an f16 KV cache, or cast to f16 for flash attention from an
+  f32 one (llama-graph.cpp ``build_attn_mha``).
 - ``qp_f16`` (CPU, no flash attention): Q·Kᵀ and P·V are ``ggml_mul_mat`` with an f16
   first operand, so Q and the softmax weights P are rounded to f16 (its vec_dot_type).
 - ``flash_cpu`` (CPU flash attention, ggml-cpu/ops.cpp ``ggml_compute_forward_flash_attn_
@@ -38,7 +39,7 @@ VEC_DOT_TYPE = {
     "f32": "f32",
     "f16": "f16",
     "bf16": "bf16",
-    **dict.fromkeys(("q4_0", "q5_0", "q8_0", "iq4_nl", "mxfp4"), "q8_0"),
+    **dict.fromkeys(("q1_0", "q2_0", "q4_0", "q5_0", "q8_0", "iq4_nl", "mxfp4", "nvfp4"), "q8_0"),
     **dict.fromkeys(("q4_1", "q5_1"), "q8_1"),
     **dict.fromkeys(
         ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq3_s")
@@ -215,12 +216,14 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     kv = settings.get("kv_cache_type", "f16")
     if kv not in ("f16", "f32"):
         raise NotEmulatedError(f"a {kv} KV cache is not emulated")
+    flash = bool(settings.get("flash_attn"))
     sources = {"gelu_table": Roundings(gelu_table=True)}
     if dequant == "none":
         sources["activations"] = Roundings(activations=True)
-    if kv == "f16":
+    # flash attention takes f16 K and V: llama-graph.cpp casts an f32 cache's to f16
+    if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
-        if settings.get("flash_attn"):
+        if flash:
             n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
             sources["flash_cpu"] = Roundings(flash_cpu=True, n_ubatch=n_ubatch)
         else:

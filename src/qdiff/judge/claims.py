@@ -52,7 +52,7 @@ class Matrix:
 
 
 def _plain(settings: dict[str, Any]) -> bool:
-    """A device with llama.cpp's defaults: no flash attention, default batches, f16 KV cache."""
+    """A device with qdiff's defaults: flash attention off, default batches, f16 KV cache."""
     return (
         not settings.get("flash_attn")
         and settings.get("n_ubatch", 512) == 512

@@ -148,7 +148,7 @@ def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
     return Finding(
         "activation-quantization",
         head
-        + f"the quantized-weight kernels, which round activations ({' | '.join(formats)})"
+        + f"the quantized-weight kernels, by their activation formats ({' | '.join(formats)})"
         + (": a small change upstream is amplified by that rounding." if same else "."),
         numbers,
     )
@@ -491,8 +491,11 @@ def _error_budget(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
 
 
 def _f32_kv_sibling(m: Matrix, device: str) -> str | None:
-    """A device of the same backend whose only difference is an f32 KV cache."""
+    """A device of the same backend whose only difference is an f32 KV cache; none with flash
+    attention, which casts an f32 cache's K and V to f16 (llama-graph.cpp)."""
     mine = m.records[(device, "f32")]["settings"]
+    if mine.get("flash_attn"):
+        return None
     for other in m.devices:
         theirs = m.records.get((other, "f32"), {}).get("settings")
         if theirs and theirs == {**mine, "kv_cache_type": "f32"} and theirs != mine:

@@ -120,3 +120,26 @@ def depth_profile(
     ax.set_ylabel("NMSE vs a (last position)")
     ax.set_xlabel("captured tensor, graph order")
     _finish_lines(fig, ax, title, path)
+
+
+def budget_bars(rows: dict[str, list[tuple[str, float]]], path: Path, title: str) -> None:
+    """Per combination (a panel row each), the error budget's medians as horizontal bars
+    on a log scale: the run from exact, each source alone, all together, what the run is
+    from that (the residual) and the floor."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    height = sum(len(bars) for bars in rows.values()) * 0.22 + 0.6 * len(rows) + 0.8
+    fig, axes = plt.subplots(len(rows), 1, figsize=(7.5, height), sharex=True, squeeze=False)
+    colours = {"from exact": "#3b6ea8", "all together": "#5b9e4d", "residual": "#c0504d"}
+    for ax, (combination, bars) in zip(axes[:, 0], rows.items(), strict=True):
+        names = [name for name, _ in bars][::-1]
+        values = [max(value, 1e-12) for _, value in bars][::-1]
+        colour = [colours.get(n, "#999999" if n == "floor" else "#e0a030") for n in names]
+        ax.barh(names, values, color=colour)
+        ax.set_xscale("log")
+        ax.set_title(combination, fontsize=9, loc="left")
+        ax.tick_params(axis="y", labelsize=7)
+    axes[-1, 0].set_xlabel("median over prompts of first-step max |Δ logit|")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -7,6 +7,7 @@ from typing import Any
 from qdiff.compare.budget import verdict
 from qdiff.compare.distance import ranked, typical
 from qdiff.exact.roundings import SOURCE_LABELS
+from qdiff.report import figures
 from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
 
@@ -124,7 +125,26 @@ def error_budget(view: ModelView) -> str:
     names = {s["name"] for _, b in budgets if b["status"] == "ok" for s in b["sources"]}
     sources = [s for s in SOURCE_LABELS if s in names]
     rows = [_budget_row(code(c), b, sources) for c, b in budgets]
-    return BUDGET_LEGEND + "\n\n" + table(rows)
+    return BUDGET_LEGEND + "\n\n" + table(rows) + _budget_plot(view, budgets)
+
+
+def _budget_plot(view: ModelView, budgets: list[tuple[str, dict[str, Any]]]) -> str:
+    path = view.plot("budget")
+    ok = [(c, b) for c, b in budgets if b["status"] == "ok"]
+    if path is None or not ok:
+        return ""
+    bars = {
+        c: [("from exact", b["distance"]["median"])]
+        + [(s["label"], s["median"]) for s in b["sources"]]
+        + [
+            ("all together", b["together"]["median"]),
+            ("residual", b["residual"]["median"]),
+            ("floor", b["floor"]["median"]),
+        ]
+        for c, b in ok
+    }
+    figures.budget_bars(bars, path, f"{view.model}: error budget (first step)")
+    return "\n\n" + view.link(path, "error budget per combination")
 
 
 def reference_model_distance(view: ModelView) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 from qdiff.compare.distance import ranked, typical
 from qdiff.compare.pairs import headline, label
-from qdiff.compare.stats import LEVEL, paired_ratio
+from qdiff.compare.stats import LEVEL, geometric_mean, paired_ratio
 from qdiff.core.records import failure_text
 from qdiff.core.stages import RUN, STAGES
 from qdiff.judge.diagnosis import fork_sites, plural
@@ -68,11 +68,7 @@ def _found(view: ModelView) -> str:
                 f"logits ({len(view.ok_pairs)} pair(s), {s['n_prompts']} prompts)"
             )
         else:
-            said = (
-                f"On {code(view.model)}, {code(top['a'])} and {code(top['b'])} differ most "
-                f"(first-step max |Δ| {num(headline(top))}; "
-                f"{count(s['forked'], s['n_prompts'])} greedy texts fork)"
-            )
+            said = f"On {code(view.model)}, " + _most_different(view.ok_pairs)
     exact = view.exact or {}
     rows = ranked(exact.get("rows", []))
     if exact.get("status") == "ok" and len(rows) > 1:
@@ -91,6 +87,36 @@ def _found(view: ModelView) -> str:
                 f"({num(far['first_step']['max_abs'])})"
             )
     return said + "."
+
+
+def _by_prompt(pair: dict[str, Any]) -> dict[str, float]:
+    return {row["prompt"]: row["max_abs"] for row in pair["prompts"]}
+
+
+def _most_different(pairs: list[dict[str, Any]]) -> str:
+    """The pair that differs most over all prompts (the largest geometric mean of the
+    per-prompt first-step max |Δ|), against the next by a paired ratio with its interval
+    (qdiff.compare.stats)."""
+    order = sorted(pairs, key=lambda p: geometric_mean(list(_by_prompt(p).values())))
+    top = order[-1]
+    s, values = top["summary"], _by_prompt(top)
+    said = (
+        f"{code(top['a'])} and {code(top['b'])} differ most (first-step max |Δ|, geometric "
+        f"mean over {len(values)} prompts {num(geometric_mean(list(values.values())))}, worst "
+        f"{num(headline(top))}; {count(s['forked'], s['n_prompts'])} greedy texts fork"
+    )
+    if len(order) > 1:
+        nxt = _by_prompt(order[-2])
+        shared = [q for q in values if q in nxt]
+        r = paired_ratio([nxt[q] for q in shared], [values[q] for q in shared])
+        versus = f"{code(order[-2]['a'])} vs {code(order[-2]['b'])}"
+        said += (
+            f"; {r['ratio']:.3g}× the next, {versus}"
+            if r["verdict"] == "farther"
+            else f"; indistinguishable on these prompts from the next, {versus}, ratio "
+            f"{r['ratio']:.3g}"
+        ) + f", {LEVEL:.0%} interval {r['low']:.3g}–{r['high']:.3g}"
+    return said + ")"
 
 
 def _nearest(near: dict[str, Any], second: dict[str, Any]) -> str:
