@@ -613,6 +613,31 @@ def test_the_exact_reference_measures_every_combination(finished: Workspace) -> 
     assert "### Distance from the exact answer" in text and "★" in text
 
 
+def test_every_cpu_combination_gets_an_error_budget(finished: Workspace) -> None:
+    """The emulations ran once per model, every combination has a budget over every prompt,
+    the activations' rounding appears only for the quantized file's runs, and the report
+    has the table and the picture."""
+    for model in ("tiny", "tiny.requant-q8_0"):
+        folder = finished.root / f"results/exact/{model}"
+        emulated = json.loads((folder / "roundings.json").read_text())
+        assert emulated["status"] == "ok" and emulated["stage"] == "roundings"
+        assert emulated["applies"] == {"gelu_table": False, "activations": model != "tiny"}
+        rows = {
+            r["combination"]: r for r in json.loads((folder / "distance.json").read_text())["rows"]
+        }
+        for label, row in rows.items():
+            budget = row["budget"]
+            assert budget["status"] == "ok" and budget["n_prompts"] == 2, (model, label)
+            names = [s["name"] for s in budget["sources"]]
+            quantized = model != "tiny" and label.endswith(".none")
+            assert ("activations" in names) == quantized, (model, label, names)
+            assert "gelu_table" not in names  # llama uses SiLU
+            assert ("flash_cpu" in names) != ("qp_f16" in names), names
+        assert (finished.root / f"results/plots/{model}.budget.png").stat().st_size > 5000
+    text = (finished.root / "results/summary.md").read_text()
+    assert text.count("### Error budget") == 2 and "| reading" in text
+
+
 def test_changing_a_device_other_than_the_teacher_never_reruns_the_exact_reference(
     finished: Workspace, tmp_path: Path
 ) -> None:
@@ -623,6 +648,7 @@ def test_changing_a_device_other_than_the_teacher_never_reruns_the_exact_referen
     ws.write_config(config)
     counts = by_rule(ws.planned_jobs())
     assert "exact_reference" not in counts and counts["distance_from_exact"] == 2
+    assert counts["exact_roundings"] == 2  # cpu-fa's flash attention now in 1-token ubatches
 
 
 def test_another_model_as_the_reference(
