@@ -114,6 +114,35 @@ def exact_only(model: Path, **extra: object) -> dict:
     return config
 
 
+def _run_killing_the_engine(workspace: Workspace, job_folder: str) -> None:
+    """The workflow, with the float64 engine's child killed by SIGKILL as soon as it runs
+    in ``job_folder`` (".exact-": the exact reference; ".roundings-": the emulations)."""
+    proc = subprocess.Popen(
+        workspace.command(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    killed = None
+    while proc.poll() is None and killed is None:
+        killed = next(
+            (
+                pid
+                for pid, argv in processes()
+                if "-m\0qdiff.exact.reference\0" in argv and f"/{job_folder}" in argv
+            ),
+            None,
+        )
+        if killed is not None:
+            os.kill(killed, signal.SIGKILL)
+        time.sleep(0.02)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and killed is not None, out[-3000:]
+
+
+KILLED = (
+    r"the float64 engine was killed by SIGKILL \(most often the kernel's out-of-memory "
+    r"killer\); it was estimated to need 0\.\d\d GiB"
+)
+
+
 def test_an_exact_stage_killed_is_recorded_and_retried(
     workspace: Workspace, tmp_path: Path
 ) -> None:
@@ -121,26 +150,10 @@ def test_an_exact_stage_killed_is_recorded_and_retried(
     out-of-memory killer ends a process: its supervisor records the signal and the memory
     it was estimated to need, the report renders, and the next invocation retries it."""
     workspace.write_config(exact_only(bigger_llama(tmp_path, "q8_0")))
-    proc = subprocess.Popen(
-        workspace.command(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    killed = None
-    while proc.poll() is None and killed is None:
-        killed = next(
-            (pid for pid, argv in processes() if "-m\0qdiff.exact.reference\0" in argv), None
-        )
-        if killed is not None:
-            os.kill(killed, signal.SIGKILL)
-        time.sleep(0.02)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0 and killed is not None, out[-3000:]
+    _run_killing_the_engine(workspace, ".exact-")
     exact = record(workspace, "results/exact/tiny/record.json")
     assert exact["status"] == "failed", exact
-    assert re.search(
-        r"the float64 engine was killed by SIGKILL \(most often the kernel's out-of-memory "
-        r"killer\); it was estimated to need 0\.\d\d GiB",
-        exact["error"]["message"],
-    ), exact["error"]["message"]
+    assert re.search(KILLED, exact["error"]["message"]), exact["error"]["message"]
     summary = (workspace.root / "results/summary.md").read_text()
     assert "No exact reference: the float64 engine was killed by SIGKILL" in summary
     # and it is a row of the report's failure table, like any stage's failure
@@ -151,6 +164,27 @@ def test_an_exact_stage_killed_is_recorded_and_retried(
     ), summary
     workspace.snakemake()  # retried: the failed record carries a fresh token
     assert record(workspace, "results/exact/tiny/record.json")["status"] == "ok"
+
+
+def test_the_emulations_killed_cost_only_the_error_budget(
+    workspace: Workspace, tmp_path: Path
+) -> None:
+    """The same for the error budget's emulations: recorded, the exact distances still
+    there, the budget a row of the failure table, retried next time."""
+    workspace.write_config(exact_only(bigger_llama(tmp_path, "q8_0")))
+    _run_killing_the_engine(workspace, ".roundings-")
+    emulated = record(workspace, "results/exact/tiny/roundings.json")
+    assert emulated["status"] == "failed" and re.search(KILLED, emulated["error"]["message"])
+    (row,) = record(workspace, "results/exact/tiny/distance.json")["rows"]
+    assert row["status"] == "ok" and row["budget"]["status"] == "failed", row
+    summary = (workspace.root / "results/summary.md").read_text()
+    assert any(
+        "| `cpu.none` | error budget | failed" in line and "killed by SIGKILL" in line
+        for line in summary.splitlines()
+        if line.startswith("| `tiny`")
+    ), summary
+    workspace.snakemake()
+    assert record(workspace, "results/exact/tiny/roundings.json")["status"] == "ok"
 
 
 def test_an_exact_stage_beyond_the_cgroups_memory_is_refused_before_it_starts(

@@ -132,8 +132,8 @@ def combination_budget(
     job's record (the floor), or why there is none."""
     entry = plan({"run": (record["settings"], record["dequant"])})[1]["run"]
     emulation, emulated = roundings
-    if emulation["status"] != "ok":
-        return {"status": "n/a", "reason": f"no emulation: {failure_text(emulation)}"}
+    if emulation["status"] != "ok":  # the report lists it with the failures
+        return {"status": "failed", "reason": f"no emulation: {failure_text(emulation)}"}
     ids = [p["id"] for p in record["prompts"]]
     if ids != emulation["prompt_ids"]:
         return {"status": "n/a", "reason": "the run and the emulation have other prompts"}

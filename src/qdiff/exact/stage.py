@@ -57,9 +57,10 @@ def exact_stage(
     if not_ok:
         raise StageError(f"no exact reference: {failure_text(not_ok[0])}")
     needed = _memory_check(inputs, max_memory_gib)
-    for stale in data_out.parent.glob(".exact-*"):  # left by a killed job
+    prefix = ".exact-" if inputs.configs is None else ".roundings-"  # the two jobs' own
+    for stale in data_out.parent.glob(f"{prefix}*"):  # left by a killed job
         shutil.rmtree(stale, ignore_errors=True)
-    with tempfile.TemporaryDirectory(dir=data_out.parent, prefix=".exact-") as tmp:
+    with tempfile.TemporaryDirectory(dir=data_out.parent, prefix=prefix) as tmp:
         folder = Path(tmp)
         made = {"record": folder / "record.json", "data": folder / "exact.npz"}
         spec: dict[str, Any] = {

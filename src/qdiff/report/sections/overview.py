@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from qdiff.compare.distance import ranked, typical
@@ -132,36 +133,44 @@ def _nearest(near: dict[str, Any], second: dict[str, Any]) -> str:
     return f"{num(typical(near))}; {versus}, {LEVEL:.0%} interval {r['low']:.3g}–{r['high']:.3g}"
 
 
+Failure = tuple[str, str, str, str, str]  # model, what, stage, status, reason
+
+
+def _stage_failures(v: ModelView) -> Iterator[Failure]:
+    """A model's prompts left out and combinations failed, stage by stage."""
+    for stage in STAGES.values():
+        for r in v.stages.get(stage.name, []):
+            for skipped in r.get("skipped_prompts", []):  # too long for the context
+                what = f"prompt {skipped['id']}"
+                yield v.model, what, stage.label, "left out", skipped["reason"]
+            # a device left out is named by its run; later stages are left out with it
+            if r["status"] == "failed" or (r["status"] != "ok" and stage is RUN):
+                yield v.model, label(r), stage.label, r["status"], failure_text(r)
+
+
+def _own_failures(v: ModelView) -> Iterator[Failure]:
+    """What failed on its own: the exact reference, an error budget's emulations, the
+    localisation, a comparison."""
+    if v.exact is not None and v.exact["status"] != "ok":
+        yield v.model, "exact reference", "exact reference", v.exact["status"], v.exact["reason"]
+    for row in (v.exact or {}).get("rows", []):
+        if row.get("budget", {}).get("status") == "failed":
+            yield v.model, row["combination"], "error budget", "failed", row["budget"]["reason"]
+    if v.localised is not None and v.localised.get("status") == "failed":
+        yield v.model, "localisation", "localisation", "failed", failure_text(v.localised)
+    for p in v.pairs:
+        if p["status"] == "failed":
+            yield v.model, f"{p['a']} vs {p['b']}", "comparison", "failed", failure_text(p)
+
+
 def failures(views: list[ModelView]) -> str:
     """Every stage's failures (qdiff.core.stages), one row per combination and reason,
-    naming the stages it cost; then exact references, comparisons and localisations that
-    failed on their own."""
+    naming the stages it cost; then exact references, error budgets, comparisons and
+    localisations that failed on their own."""
     grouped: dict[tuple[str, str, str, str], list[str]] = {}
-
-    def add(model: str, what: str, stage: str, status: str, reason: str) -> None:
-        grouped.setdefault((model, what, status, reason), []).append(stage)
-
     for v in views:
-        for stage in STAGES.values():
-            for r in v.stages.get(stage.name, []):
-                for skipped in r.get("skipped_prompts", []):  # too long for the context
-                    add(
-                        v.model,
-                        f"prompt {skipped['id']}",
-                        stage.label,
-                        "left out",
-                        skipped["reason"],
-                    )
-                # a device left out is named by its run; later stages are left out with it
-                if r["status"] == "failed" or (r["status"] != "ok" and stage is RUN):
-                    add(v.model, label(r), stage.label, r["status"], failure_text(r))
-        if v.exact is not None and v.exact["status"] != "ok":
-            add(v.model, "exact reference", "exact reference", v.exact["status"], v.exact["reason"])
-        if v.localised is not None and v.localised.get("status") == "failed":
-            add(v.model, "localisation", "localisation", "failed", failure_text(v.localised))
-        for p in v.pairs:
-            if p["status"] == "failed":
-                add(v.model, f"{p['a']} vs {p['b']}", "comparison", "failed", failure_text(p))
+        for model, what, stage, status, reason in [*_stage_failures(v), *_own_failures(v)]:
+            grouped.setdefault((model, what, status, reason), []).append(stage)
     if not grouped:
         return "Every stage of every combination ran."
     rows = [

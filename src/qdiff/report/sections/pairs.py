@@ -10,7 +10,7 @@ import numpy as np
 from qdiff.compare.metrics import PAIR_METRICS, median, percentile
 from qdiff.compare.pairs import headline
 from qdiff.compare.stats import LEVEL, wilson
-from qdiff.judge.tolerance import HEADROOM, tolerances
+from qdiff.judge.tolerance import HEADROOM, Tolerance, tolerances
 from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
 
@@ -116,6 +116,37 @@ def _held_out(held: tuple[int, int]) -> str:
     return f"{count(k, n)} ({LEVEL:.0%} interval {low:.0%}–{high:.0%})"
 
 
+def _snippet(view: ModelView, first: Tolerance) -> str:
+    """The copy-paste assertion for one tolerance, saying what it covers and how it held
+    out of sample."""
+    covers = (
+        f"the first-step logits of {first.first_step_values} prompt comparisons "
+        + view.first_step_tokens
+        + (
+            f" and {first.forced_values} teacher-forced positions over the teacher's top {first.top_k} "
+            "tokens (qdiff keeps no more there; the full vocabulary may differ more at those "
+            "positions)"
+            if first.forced_max is not None
+            else ""
+        )
+    )
+    return (
+        f"```python\n# {view.model}, {first.dequant} file, {first.scope}. Covers {covers}.\n"
+        f"# Largest difference seen: {num(first.largest)}; {HEADROOM:g}x that, rounded up:\n"
+        f"np.testing.assert_allclose(logits_device, logits_reference, rtol=0, atol={first.atol:g})\n"
+        + (
+            "assert logits_device.argmax() == logits_reference.argmax()  "
+            "# held at every compared position\n"
+            if first.top1_always
+            else f"# top-1 did not always agree ({count(*first.top1_first_step)} first steps"
+            + (f", {count(*first.top1_forced)} forced positions" if first.top1_forced else "")
+            + "): do not assert the argmax\n"
+        )
+        + f"# greedy text forked in {count(*first.forked)} comparisons: compare logits, not text\n"
+        + f"# out of sample (derived without each prompt in turn): {_held_out(first.held_out)}\n```"
+    )
+
+
 def tolerance_table(view: ModelView) -> str:
     rows = tolerances(view.pairs)
     if not rows:
@@ -142,33 +173,7 @@ def tolerance_table(view: ModelView) -> str:
                 "held out: prompts within": _held_out(t.held_out),
             }
         )
-    first = next((t for t in rows if t.dequant == "none"), rows[0])
-    covers = (
-        f"the first-step logits of {first.first_step_values} prompt comparisons "
-        + view.first_step_tokens
-        + (
-            f" and {first.forced_values} teacher-forced positions over the teacher's top {first.top_k} "
-            "tokens (qdiff keeps no more there; the full vocabulary may differ more at those "
-            "positions)"
-            if first.forced_max is not None
-            else ""
-        )
-    )
-    snippet = (
-        f"```python\n# {view.model}, {first.dequant} file, {first.scope}. Covers {covers}.\n"
-        f"# Largest difference seen: {num(first.largest)}; {HEADROOM:g}x that, rounded up:\n"
-        f"np.testing.assert_allclose(logits_device, logits_reference, rtol=0, atol={first.atol:g})\n"
-        + (
-            "assert logits_device.argmax() == logits_reference.argmax()  "
-            "# held at every compared position\n"
-            if first.top1_always
-            else f"# top-1 did not always agree ({count(*first.top1_first_step)} first steps"
-            + (f", {count(*first.top1_forced)} forced positions" if first.top1_forced else "")
-            + "): do not assert the argmax\n"
-        )
-        + f"# greedy text forked in {count(*first.forked)} comparisons: compare logits, not text\n"
-        + f"# out of sample (derived without each prompt in turn): {_held_out(first.held_out)}\n```"
-    )
+    snippet = _snippet(view, next((t for t in rows if t.dequant == "none"), rows[0]))
     return (
         f"Each row covers every pair of combinations that ran the same file and differ only "
         f"as the first column says. The recommended atol is {HEADROOM:g}× the largest difference "
