@@ -10,8 +10,8 @@ compared value exceeds it; the headroom is shown.
 
 Covering the data it was derived from says nothing of new prompts, so each tolerance is also
 checked out of sample (``held_out``): derived in the same way without one prompt, then
-checked on that prompt, every prompt in turn (first step, full vocabulary), with the
-coverage's interval (qdiff.compare.stats.wilson).
+checked on that prompt (its first step and its forced positions), every prompt in turn,
+with the coverage's interval (qdiff.compare.stats.wilson).
 """
 
 from __future__ import annotations
@@ -74,14 +74,23 @@ def _scope(result: dict[str, Any]) -> str:
     return "cross-device" if relation in CROSS_DEVICE else RELATION_TEXT[relation]
 
 
-def held_out(group: list[dict[str, Any]]) -> tuple[int, int]:
-    """Leave one prompt out: for each prompt, the atol derived from the group's other prompts
-    (HEADROOM × their largest first-step max |Δ|, rounded up) against that prompt's largest;
-    how many prompts it held on, of how many."""
+def worst_by_prompt(group: list[dict[str, Any]]) -> dict[str, float]:
+    """Each prompt's largest difference over the group's pairs: its first step and, where
+    teacher forcing ran, every forced position's kept logits."""
     worst: dict[str, float] = {}
     for p in group:
+        along = p.get("forced", {}).get("per_prompt_max_abs", {})
         for row in p["prompts"]:
-            worst[row["prompt"]] = max(worst.get(row["prompt"], 0.0), row["max_abs"])
+            value = max([row["max_abs"], *along.get(row["prompt"], [])])  # per position
+            worst[row["prompt"]] = max(worst.get(row["prompt"], 0.0), value)
+    return worst
+
+
+def held_out(group: list[dict[str, Any]]) -> tuple[int, int]:
+    """Leave one prompt out: for each prompt, the atol derived from the group's other prompts
+    (HEADROOM × their largest difference, rounded up) against that prompt's largest
+    (``worst_by_prompt``); how many prompts it held on, of how many."""
+    worst = worst_by_prompt(group)
     if len(worst) < 2:
         return 0, 0
     held = 0

@@ -179,7 +179,7 @@ def tolerance_table(view: ModelView) -> str:
         f"as the first column says. The recommended atol is {HEADROOM:g}× the largest difference "
         "over all of its data, rounded up, so nothing compared exceeds it. That says nothing "
         "of other prompts: *held out* derives the atol in the same way without one prompt and "
-        "checks it on that prompt, each prompt in turn (first step, full vocabulary), with the "
+        "checks it on that prompt, each prompt in turn (its first step and forced positions), with the "
         "coverage's Wilson interval. A test on prompts like these fails about as often as "
         "held-out prompts fall outside.\n\n" + table(out) + "\n\n" + snippet
     )
