@@ -215,17 +215,23 @@ def test_the_tolerance_says_what_it_covers_and_never_calls_a_setting_change_cros
     assert "| cross-device " in text and "same device, other settings (flash_attn off→on)" in text
     assert "atol=3)" in text  # 1.5 x 2.0, rounded up
     assert "Covers the first-step logits of 4 prompt comparisons over the full vocabulary" in text
-    assert "held out" in text and "4/4 (95% interval 51%–100%)" in text
+    # from 2 of the 4 prompts, on the other 2: 200 random halves
+    assert (
+        "held on the other half: 92% of prompts (95% interval 51%–100%); all 2 of a half in 84%"
+        in (text)
+    )
+    assert "# set by prompt p3; without it the atol would be 2.3" in text
 
 
 def test_a_tolerance_is_checked_on_prompts_it_was_not_derived_from() -> None:
-    """Leave one prompt out: a prompt far above the others breaks the atol the others give,
-    so the held-out coverage is 3 of 4, though the atol over all four covers everything."""
+    """An atol from half of the prompts, checked on the other half: a prompt far above the
+    others breaks it whenever it is held out, though the atol over all four covers it."""
     outlier = pair("cpu.none", "cuda.none", 5.0)
     for row, value in zip(outlier["prompts"], [1.0, 1.0, 1.0, 5.0], strict=True):
         row["max_abs"] = value
     text = pairs.tolerance_table(ModelView("m", {"run": []}, [outlier]))
-    assert "atol=7.5)" in text and "3/4 (95% interval" in text
+    assert "atol=7.5)" in text and "74% of prompts (95% interval 30%–95%)" in text
+    assert "# set by prompt p3; without it the atol would be 1.5" in text
 
 
 def test_the_findings_rank_distances_from_exact_over_all_prompts() -> None:
@@ -250,7 +256,7 @@ def test_the_findings_rank_distances_from_exact_over_all_prompts() -> None:
         "`cpu.f32` is closest to the exact answer (0.0168; 2.08× nearer than `cpu-fa.f32`, "
         "95% interval 1.13–2.91)"
     ) in text
-    assert "`cpu.none` farthest (1.14; first-step max |Δ|, geometric mean over prompts)" in text
+    assert "`cpu.none` farthest (1.14) (first-step max |Δ|, geometric mean over prompts)" in text
 
 
 def test_the_findings_never_read_nothing_compared_as_equal() -> None:
@@ -282,3 +288,23 @@ def test_the_findings_quote_the_largest_pair_and_the_distance_from_exact() -> No
         "0.0136), `cpu.none` the largest (1.48).\n- On `m1`,"
     )
     assert "1 more model has its own section." in text and "On `m3`" not in text
+
+
+def test_two_farthest_combinations_the_prompts_cannot_tell_apart_are_both_named() -> None:
+    def row(combination: str, values: list[float]) -> dict[str, Any]:
+        first = {"max_abs": max(values), "max_abs_by_prompt": values}
+        return {"combination": combination, "status": "ok", "first_step": first}
+
+    view = ModelView("m", {"run": []}, [pair("cpu.none", "cpu-fa.none", 0.5)])
+    view.exact = {
+        "status": "ok",
+        "rows": [
+            row("cpu.f32", [0.01, 0.012, 0.011, 0.013]),
+            row("cpu.none", [1.0, 1.3, 0.9, 1.2]),
+            row("cpu-fa.none", [1.2, 1.0, 1.1, 1.0]),
+        ],
+    }
+    text = overview.found([view])
+    assert "`cpu.none` and `cpu-fa.none` farthest (1.09 and 1.07, indistinguishable on these" in (
+        text
+    )

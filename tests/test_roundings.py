@@ -85,18 +85,20 @@ def test_each_matmul_rounds_its_input_as_the_switch_says(tmp_path: Path, target:
         assert err_plain > 20 * max(err, 1e-7 * scale), (weight, kind, err, err_plain)
 
 
-def _residual_and_floor(path: Path, roundings: Roundings, **settings: object) -> np.ndarray:
-    """Per forced position: the engine with ``roundings`` against llama.cpp's run, and the
-    floor (the engine against itself jittered, the larger of two draws)."""
+def _emulations(path: Path, roundings: Roundings, **settings: object) -> dict[str, np.ndarray]:
+    """At every forced position: llama.cpp's run, the exact answer, the engine with
+    ``roundings`` (``together``) and jittered (``j<seed>``), as the budget's job has them."""
     prompt, forced, run = llama_cpp_logits(path, kv="f16", **settings)
-    model = exact.ExactModel(path, roundings)
+    model = exact.ExactModel(path)
     sequence, outputs = prompt + forced[:-1], slice(len(prompt) - 1, None)
-    emulated = model.forward(sequence, outputs)
-    emulated_jittered = {}
-    for seed in JITTER_SEEDS:
-        model.roundings = dataclasses.replace(roundings, jitter=seed)
-        emulated_jittered[seed] = model.forward(sequence, outputs)
-    return run, emulated, emulated_jittered
+    made = {"run": run, "exact": model.forward(sequence, outputs)}
+    sets = {"together": roundings} | {
+        f"j{seed}": dataclasses.replace(roundings, jitter=seed) for seed in JITTER_SEEDS
+    }
+    for name, r in sets.items():
+        model.roundings = r
+        made[name] = model.forward(sequence, outputs)
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +113,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _read(path: Path, roundings: Roundings, flash: bool) -> tuple[str, dict]:
     """The error budget of llama.cpp's run against ``roundings``, forced positions as its
     prompts (qdiff.compare.budget): its reading, and the row."""
-    run, emulated, jittered = _residual_and_floor(path, roundings, flash_attn=flash)
-    positions = [str(k) for k in range(len(run))]
-    sets = {"together": emulated} | {f"j{s}": a for s, a in jittered.items()}
-    entry = {"sources": {}, "together": "together", "jittered": [f"j{s}" for s in jittered]}
-    row = budget(entry, sets, {}, emulated, run, positions, {})
+    made = _emulations(path, roundings, flash_attn=flash)
+    positions = [str(k) for k in range(len(made["run"]))]
+    jittered = [f"j{seed}" for seed in JITTER_SEEDS]
+    entry = {"sources": {}, "together": "together", "jittered": jittered}
+    row = budget(entry, made, {}, made["exact"], made["run"], positions, {})
     return verdict(row), row
 
 

@@ -7,7 +7,8 @@ For each model and each tolerance the report recommends from its 12 prompts (qdi
 tolerance), each of the other 20 prompts' largest difference (its first step over the full
 vocabulary and its forced positions over the kept top-k, the largest over the tolerance's
 pairs) against that atol: how many exceed it, and by how much; then the report's
-own leave-one-out estimate of the same, from the 12 prompts and from all 32."""
+own estimate of the same (an atol from a random half of the prompts, on the other half),
+from the 12 prompts and from all 32."""
 
 import json
 import sys
@@ -40,12 +41,13 @@ for path in sorted(quick.glob("compare/*.json")):
         new = {k: v for k, v in worst.items() if k not in quick_ids}
         over = {k: v for k, v in new.items() if v > t.atol}
         low, high = wilson(len(new) - len(over), len(new))
-        loo_quick, loo_full = t.held_out, held_out(group)
+        split_quick, split_full = t.held_out, held_out(group)
         print(
             f"{model} | {key[0]} | {key[1]} | atol {t.atol:g} (from {len(quick_ids)} prompts, "
             f"largest {t.largest:.3g}) | new prompts within: {len(new) - len(over)}/"
             f"{len(new)} ({low:.0%}-{high:.0%}); over: "
             + (", ".join(f"{k} {v:.3g}" for k, v in sorted(over.items())) or "none")
-            + f"; largest new {max(new.values()):.3g} | leave-one-out: {loo_quick[0]}/"
-            f"{loo_quick[1]} on the 12, {loo_full[0]}/{loo_full[1]} on all 32"
+            + f"; largest new {max(new.values()):.3g} | halves: {split_quick.prompt_within:.0%} "
+            f"on the 12, {split_full.prompt_within:.0%} on all 32; set by "
+            f"{split_quick.set_by}, {split_quick.atol_without_it:g} without it"
         )

@@ -17,7 +17,10 @@ the jittered emulations are, so each prompt's residual is within its floor (the 
 J draws) with probability J/(J+1). The combination is ``explained`` unless its prompts
 within the floor are too few for that (a one-sided binomial test at ALPHA), and
 ``unexplained`` otherwise: a rounding the run makes and the emulation does not follow. The
-median ratio residual / floor says by how much; no single prompt decides.
+median ratio residual / floor says by how much; no single prompt decides. Where the floor is
+RESOLUTION of the distance from exact or more, the test has no power (an emulation that
+leaves a source out passes too): ``unresolved``, and only the sizes (each source alone and
+all together, against the run's distance) say anything.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from qdiff.core.records import failure_text
 from qdiff.exact.roundings import FA_TILE_Q, SOURCE_LABELS, plan
 
 ALPHA = 0.01  # the test's level: "unexplained" is wrong once in a hundred faithful emulations
+# a floor of at least this share of the distance from exact leaves the test without power:
+# any emulation of about the right size passes it ("unresolved")
+RESOLUTION = 0.5
 
 
 def _spread(per_prompt: np.ndarray) -> dict[str, float]:
@@ -146,5 +152,11 @@ def combination_budget(
 
 def verdict(row: dict[str, Any]) -> str:
     """``unexplained`` when the prompts within the floor are too few for a faithful
-    emulation (p < ALPHA), else ``explained``."""
-    return "unexplained" if row["p_value"] < ALPHA else "explained"
+    emulation (p < ALPHA); else ``unresolved`` when the floor is RESOLUTION of the distance
+    from exact or more (an emulation leaving out a source passes as well: only the sizes
+    say anything), else ``explained``."""
+    if row["p_value"] < ALPHA:
+        return "unexplained"
+    if row["floor"]["median"] >= RESOLUTION * row["distance"]["median"]:
+        return "unresolved"
+    return "explained"

@@ -33,6 +33,7 @@ def paired_ratio(near: Sequence[float], far: Sequence[float], seed: int = 0) -> 
         "low": float(low),
         "high": float(high),
         "n": int(diff.size),
+        "farther_on": int((diff > 0).sum()),  # prompts where ``far`` is the farther
         "verdict": verdict,
     }
 

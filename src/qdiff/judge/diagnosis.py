@@ -52,7 +52,6 @@ from qdiff.core.backends import BACKENDS
 from qdiff.core.labels import Combination, Pair
 
 AMPLIFICATION = 10.0
-COARSE_FLOOR = 0.5  # an error budget whose floor is this share of the distance: size only
 COMPARABLE = 0.5
 Key = tuple[str, str]  # (device, dequant)
 
@@ -330,10 +329,12 @@ def _per_prompt(row: dict[str, Any]) -> list[float] | None:
     return row["first_step"].get("max_abs_by_prompt")
 
 
-def _ratio_text(r: dict[str, Any]) -> str:
+def _ratio_text(r: dict[str, Any], far: str) -> str:
+    """How a paired ratio was decided; ``far`` the side it puts in the numerator."""
     return (
         f"geometric mean over {r['n']} prompts of the per-prompt ratio of first-step max "
-        f"|Δ|, {LEVEL:.0%} bootstrap interval {r['low']:.3g}–{r['high']:.3g}"
+        f"|Δ|, {LEVEL:.0%} bootstrap interval {r['low']:.3g}–{r['high']:.3g}; `{far}` the "
+        f"farther on {r['farther_on']} of {r['n']} prompts"
     )
 
 
@@ -354,11 +355,11 @@ def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Findin
             continue  # a distance made by an older qdiff: no per-prompt values to pair
         r = paired_ratio(pa, pb)  # how many times b is a
         head = f"`{pair.a.label}` vs `{pair.b.label}`: "
-        worst = f"worst prompt {_fmt(max(pa))} vs {_fmt(max(pb))}"
+        worst = f"each side's worst prompt {_fmt(max(pa))} vs {_fmt(max(pb))}"
         if r["verdict"] == "indistinguishable":
             text = (
                 f"{head}as far from exact as each other at the first step, on these prompts "
-                f"(ratio {r['ratio']:.3g}: {_ratio_text(r)}; {worst})"
+                f"(ratio {r['ratio']:.3g}: {_ratio_text(r, pair.b.label)}; {worst})"
             )
         else:
             near, far = (pair.a, pair.b) if r["verdict"] == "farther" else (pair.b, pair.a)
@@ -366,7 +367,7 @@ def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Findin
                 r = paired_ratio(pb, pa)  # the same comparison, the nearer side first
             text = (
                 f"{head}`{near.label}` is {r['ratio']:.3g}× closer to exact than "
-                f"`{far.label}` at the first step ({_ratio_text(r)}; {worst})"
+                f"`{far.label}` at the first step ({_ratio_text(r, far.label)}; {worst})"
             )
         numbers = {"ratio": r["ratio"], "low": r["low"], "high": r["high"]}
         fa, fb = a.get("forced", {}), b.get("forced", {})
@@ -413,7 +414,8 @@ def _more_precise_not_closer(m: Matrix, exact: dict[Key, dict[str, Any]]) -> lis
                     "more-precise-not-closer",
                     f"`{'.'.join(hi)}` ({key} {precise}) is {how} exact than "
                     f"`{'.'.join(lo)}` ({key} {coarse}) at the first step, over these prompts "
-                    f"(ratio {r['ratio']:.3g}: {_ratio_text(r)}). A setting that looks more "
+                    f"(ratio {r['ratio']:.3g}: {_ratio_text(r, '.'.join(hi))}). A setting that "
+                    "looks more "
                     "precise is not closer here.",
                     {"ratio": r["ratio"], "low": r["low"], "high": r["high"]},
                 )
@@ -429,8 +431,9 @@ def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
         d = row["first_step"]["max_abs"]
         text = (
             f"`{Combination('', device, dequant).label}` (the same weights as the file, in f32) "
-            f"is {_fmt(d)} from exact (first-step max |Δ|): llama.cpp's float path on this "
-            "CPU, not the weights."
+            f"is {_fmt(d)} from exact (first-step max |Δ|, worst prompt): llama.cpp's f16 "
+            "roundings and float32 sums on this CPU, not the weights (the error budget below "
+            "says which)."
         )
         numbers = {"f32": d}
         f32_kv = _f32_kv_sibling(m, device)
@@ -458,34 +461,35 @@ def _error_budget(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
             f"`{label}` is {_fmt(b['distance']['median'])} from exact (first-step max |Δ|, "
             f"median over {b['n_prompts']} prompts; worst {_fmt(b['distance']['max'])}). Each "
             f"of its rounding sources alone takes the exact answer {alone}; all together "
-            f"{_fmt(b['together']['median'])}. The run is {_fmt(b['residual']['median'])} from "
-            "that emulation"
+            f"{_fmt(b['together']['median'])}"
         )
         numbers = {"distance": b["distance"]["median"], "residual": b["residual"]["median"]}
         numbers |= {s["name"]: s["median"] for s in b["sources"]}
         numbers |= {"ratio_median": b["ratio_median"], "p_value": b["p_value"]}
         reading = verdict(b)
-        text += (
-            f", {b['ratio_median']:.2g}× its floor at the median prompt "
-            f"(floor median {_fmt(b['floor']['median'])}: how far equally valid float32 "
-            f"inputs move the emulation), within it on {b['within_floor']} of "
-            f"{b['n_prompts']} prompts"
-            + (
-                ": on these prompts the rest is indistinguishable from that floor, so these "
-                "sources account for the run's distance from exact."
-                if reading == "explained"
-                else f" (p = {b['p_value']:.2g}): the run rounds somewhere the emulation does "
-                "not follow."
-            )
-        )
+        share = b["together"]["median"] / b["distance"]["median"]
         coarse = b["floor"]["median"] / b["distance"]["median"]
-        if reading == "explained" and coarse >= COARSE_FLOOR:
+        text += (
+            f" ({share:.2g}× the run's own distance). The run is "
+            f"{_fmt(b['residual']['median'])} from that emulation; the median over prompts of residual / "
+            f"floor is {b['ratio_median']:.2g} (floor median {_fmt(b['floor']['median'])}: "
+            "how far equally valid float32 inputs move the emulation), within it on "
+            f"{b['within_floor']} of {b['n_prompts']} prompts"
+        )
+        if reading == "unexplained":
             text += (
-                f" The floor is {coarse:.0%} of the distance itself: these roundings account "
-                "for its size, and below it which way each input near a rounding boundary "
-                "went, which no emulation can follow at the logits (tests/test_roundings.py "
-                "checks the switches op by op instead)."
+                f" (p = {b['p_value']:.2g}): the run rounds somewhere the emulation does not "
+                "follow."
             )
+        elif reading == "unresolved":
+            text += (
+                f". The floor is {coarse:.0%} of the distance itself, so the logits cannot tell "
+                "this emulation from one that leaves a source out: only the sizes above say "
+                "how much each source can account for (tests/test_roundings.py checks the "
+                "switches op by op instead)."
+            )
+        else:
+            text += ": on these prompts the rest is indistinguishable from that floor."
         findings.append(Finding(f"error-budget-{reading.replace(' ', '-')}", text, numbers))
     return findings
 

@@ -9,9 +9,11 @@ The recommended ``atol`` is 1.5× the largest difference over all of that, round
 compared value exceeds it; the headroom is shown.
 
 Covering the data it was derived from says nothing of new prompts, so each tolerance is also
-checked out of sample (``held_out``): derived in the same way without one prompt, then
-checked on that prompt (its first step and its forced positions), every prompt in turn,
-with the coverage's interval (qdiff.compare.stats.wilson).
+checked out of sample (``held_out``): derived in the same way from a random half of the
+prompts, then checked on the other half (each prompt's first step and forced positions),
+over many halves, with the coverage's interval (qdiff.compare.stats.wilson). (Leaving out
+one prompt at a time would not do: an atol above the maximum of the others covers every
+prompt but the largest.) Which prompt sets the atol, and the atol without it, are said too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from qdiff.compare.pairs import headline
+from qdiff.compare.stats import wilson
 from qdiff.core import markdown
 from qdiff.core.labels import Pair
 from qdiff.core.settings import RELATION_TEXT
@@ -53,7 +58,7 @@ class Tolerance:
     top1_first_step: tuple[int, int]
     top1_forced: tuple[int, int] | None
     forked: tuple[int, int]
-    held_out: tuple[int, int]  # prompts within the atol derived without them, of all prompts
+    held_out: HeldOut | None  # checked on prompts it was not derived from
 
     @property
     def largest(self) -> float:
@@ -86,18 +91,52 @@ def worst_by_prompt(group: list[dict[str, Any]]) -> dict[str, float]:
     return worst
 
 
-def held_out(group: list[dict[str, Any]]) -> tuple[int, int]:
-    """Leave one prompt out: for each prompt, the atol derived from the group's other prompts
-    (HEADROOM × their largest difference, rounded up) against that prompt's largest
-    (``worst_by_prompt``); how many prompts it held on, of how many."""
+SPLITS = 200  # random halves of the prompts
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A tolerance derived from half of the prompts, checked on the other half, over SPLITS
+    random halves: how often a held-out prompt is within, and a held-out half all of it."""
+
+    n_prompts: int
+    prompt_within: float  # share of held-out prompts within, over all splits
+    half_within: float  # share of splits whose every held-out prompt is within
+    half_size: int  # prompts in a held-out half
+    set_by: str  # the prompt of the largest difference
+    atol_without_it: float  # the atol derived from every prompt but that one
+
+    def interval(self) -> tuple[float, float]:
+        """A Wilson interval for ``prompt_within`` counting each prompt once: the splits
+        reuse the same prompts, so they are not more evidence than the prompts are."""
+        return wilson(round(self.prompt_within * self.n_prompts), self.n_prompts)
+
+
+def held_out(group: list[dict[str, Any]]) -> HeldOut | None:
+    """The group's tolerance checked on prompts it was not derived from (``HeldOut``), or
+    None with fewer than 4 prompts."""
     worst = worst_by_prompt(group)
-    if len(worst) < 2:
-        return 0, 0
-    held = 0
-    for prompt, value in worst.items():
-        others = max(v for q, v in worst.items() if q != prompt)
-        held += value <= round_up(HEADROOM * others)
-    return held, len(worst)
+    if len(worst) < 4:
+        return None
+    ids = sorted(worst, key=worst.__getitem__)
+    values = np.array([worst[k] for k in ids])
+    rng = np.random.default_rng(0)
+    within = checked = halves = 0
+    for _ in range(SPLITS):
+        order = rng.permutation(len(values))
+        fit, check = order[: len(values) // 2], order[len(values) // 2 :]
+        ok = values[check] <= round_up(HEADROOM * values[fit].max())
+        within += int(ok.sum())
+        checked += len(check)
+        halves += int(ok.all())
+    return HeldOut(
+        n_prompts=len(values),
+        prompt_within=within / checked,
+        half_within=halves / SPLITS,
+        half_size=len(values) - len(values) // 2,
+        set_by=ids[-1],
+        atol_without_it=round_up(HEADROOM * values[-2]),
+    )
 
 
 def tolerances(pairs: list[dict[str, Any]]) -> list[Tolerance]:

@@ -88,12 +88,12 @@ BUDGET_LEGEND = (
     "random, two draws: where an input lies that close to a rounding boundary, llama.cpp may "
     "round it the other way) and the run against itself in other ubatches (the serving "
     "stage's `ubatch-n` cases, on its prompts). A faithful emulation leaves each prompt "
-    "within its floor with probability 2/3; *explained* means the prompts within it are "
-    "not too few for that (binomial test, p ≥ 0.01), *unexplained* that the run rounds "
-    "somewhere the emulation does not follow. Where the floor is about as large as the "
-    "distance itself (*floor / from exact* near 1 or above), the sources account for the "
-    "distance's size; which way each input near a rounding boundary went, no emulation "
-    "follows at the logits."
+    "within its floor with probability 2/3: *unexplained* means the prompts within it are "
+    "too few for that (binomial test, p < 0.01), the run rounding somewhere the emulation "
+    "does not follow; *unresolved*, that the floor is at least half the distance from exact "
+    "itself, where any emulation of about the right size passes and only the sizes (each "
+    "source alone, all together, against *from exact*) say anything; *explained*, neither. "
+    "*residual / floor* is the median over prompts of that ratio."
 )
 
 

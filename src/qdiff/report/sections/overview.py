@@ -77,8 +77,8 @@ def _found(view: ModelView) -> str:
         if all(r["first_step"].get("max_abs_by_prompt") for r in rows):
             said += (
                 f"; {code(near['combination'])} is closest to the exact answer "
-                f"({_nearest(near, rows[1])}), {code(far['combination'])} farthest "
-                f"({num(typical(far))}; first-step max |Δ|, geometric mean over prompts)"
+                f"({_nearest(near, rows[1])}), {_farthest(rows[-2], far)} (first-step max "
+                "|Δ|, geometric mean over prompts)"
             )
         else:  # distances made by an older qdiff: worst prompts only, no ranking claimed
             said += (
@@ -118,6 +118,21 @@ def _most_different(pairs: list[dict[str, Any]]) -> str:
             f"{r['ratio']:.3g}"
         ) + f", {LEVEL:.0%} interval {r['low']:.3g}–{r['high']:.3g}"
     return said + ")"
+
+
+def _farthest(second: dict[str, Any], far: dict[str, Any]) -> str:
+    """The farthest combination, or the two farthest where the prompts cannot tell them
+    apart (a paired ratio's interval holding 1)."""
+    r = paired_ratio(
+        second["first_step"]["max_abs_by_prompt"], far["first_step"]["max_abs_by_prompt"]
+    )
+    if r["verdict"] == "farther":
+        return f"{code(far['combination'])} farthest ({num(typical(far))})"
+    return (
+        f"{code(far['combination'])} and {code(second['combination'])} farthest "
+        f"({num(typical(far))} and {num(typical(second))}, indistinguishable on these prompts: "
+        f"ratio {r['ratio']:.3g}, {LEVEL:.0%} interval {r['low']:.3g}–{r['high']:.3g})"
+    )
 
 
 def _nearest(near: dict[str, Any], second: dict[str, Any]) -> str:

@@ -9,8 +9,8 @@ import numpy as np
 
 from qdiff.compare.metrics import PAIR_METRICS, median, percentile
 from qdiff.compare.pairs import headline
-from qdiff.compare.stats import LEVEL, wilson
-from qdiff.judge.tolerance import HEADROOM, Tolerance, tolerances
+from qdiff.compare.stats import LEVEL
+from qdiff.judge.tolerance import HEADROOM, SPLITS, HeldOut, Tolerance, tolerances
 from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView
 
@@ -107,13 +107,15 @@ def reference_distance(view: ModelView) -> str:
     )
 
 
-def _held_out(held: tuple[int, int]) -> str:
-    """A leave-one-prompt-out coverage with its interval (qdiff.judge.tolerance.held_out)."""
-    k, n = held
-    if n == 0:
-        return "not checked (fewer than 2 prompts)"
-    low, high = wilson(k, n)
-    return f"{count(k, n)} ({LEVEL:.0%} interval {low:.0%}–{high:.0%})"
+def _held_out(held: HeldOut | None) -> str:
+    """A tolerance checked on held-out halves of the prompts (qdiff.judge.tolerance)."""
+    if held is None:
+        return "not checked (fewer than 4 prompts)"
+    low, high = held.interval()
+    return (
+        f"{held.prompt_within:.0%} of prompts ({LEVEL:.0%} interval {low:.0%}–{high:.0%}); "
+        f"all {held.half_size} of a half in {held.half_within:.0%} of {SPLITS} halves"
+    )
 
 
 def _snippet(view: ModelView, first: Tolerance) -> str:
@@ -143,7 +145,14 @@ def _snippet(view: ModelView, first: Tolerance) -> str:
             + "): do not assert the argmax\n"
         )
         + f"# greedy text forked in {count(*first.forked)} comparisons: compare logits, not text\n"
-        + f"# out of sample (derived without each prompt in turn): {_held_out(first.held_out)}\n```"
+        + (
+            f"# set by prompt {first.held_out.set_by}; without it the atol would be "
+            f"{first.held_out.atol_without_it:g}\n"
+            f"# derived from half of the prompts, held on the other half: {_held_out(first.held_out)}\n"
+            if first.held_out
+            else ""
+        )
+        + "```"
     )
 
 
@@ -170,7 +179,7 @@ def tolerance_table(view: ModelView) -> str:
                 "texts forked": count(*t.forked),
                 "recommended atol": num(t.atol),
                 "largest / atol": f"{t.largest / t.atol:.2f}" if t.atol else "–",
-                "held out: prompts within": _held_out(t.held_out),
+                "held out (from one half of the prompts, on the other)": _held_out(t.held_out),
             }
         )
     snippet = _snippet(view, next((t for t in rows if t.dequant == "none"), rows[0]))
@@ -178,8 +187,10 @@ def tolerance_table(view: ModelView) -> str:
         f"Each row covers every pair of combinations that ran the same file and differ only "
         f"as the first column says. The recommended atol is {HEADROOM:g}× the largest difference "
         "over all of its data, rounded up, so nothing compared exceeds it. That says nothing "
-        "of other prompts: *held out* derives the atol in the same way without one prompt and "
-        "checks it on that prompt, each prompt in turn (its first step and forced positions), with the "
-        "coverage's Wilson interval. A test on prompts like these fails about as often as "
-        "held-out prompts fall outside.\n\n" + table(out) + "\n\n" + snippet
+        "of other prompts: *held out* derives the atol in the same way from a random half of "
+        "the prompts and checks it on the other half (each prompt's first step and forced "
+        f"positions), over {SPLITS} halves: the share of held-out prompts within it (its "
+        "interval counts each prompt once) and how often a whole half was. A test over n new "
+        "prompts fails when any one of them falls outside, so more often than one prompt "
+        "does.\n\n" + table(out) + "\n\n" + snippet
     )
