@@ -207,7 +207,8 @@ def test_teacher_forcing_settings_rerun_only_the_forced_passes(
     config = ws.read_config()
     config["teacher_forcing"] = {"top_k": 16}
     ws.write_config(config)
-    # the exact reference keeps the logits forcing keeps: it follows
+    # the exact reference keeps the logits forcing keeps: it follows; its emulations (first
+    # steps only) do not
     assert by_rule(ws.planned_jobs()) == Counter(
         forced_combination=8,
         compare_model=2,

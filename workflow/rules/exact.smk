@@ -55,7 +55,6 @@ rule exact_roundings:
         mem_mb=exact_mem_mb,
         runtime=120,
     params:
-        top_k=EXPERIMENT.teacher_forcing["top_k"],
         configs=rounding_configs,
         code=CODE["exact_reference"],
         retry_token=roundings_retry_token,

@@ -29,7 +29,7 @@ def body(job: jobs.Job) -> None:
         run=run,
         forced_data=Path(i.teacher_data) if forcing else None,
         forced=read_json(Path(i.teacher_record)) if forcing else None,
-        top_k=snakemake.params.top_k,
+        top_k=0 if emulating else snakemake.params.top_k,  # only the reference keeps top-k
         configs=configs,
     )
     result = exact_stage(
