@@ -234,21 +234,23 @@ def test_a_tolerance_is_checked_on_prompts_it_was_not_derived_from() -> None:
     assert "# set by prompt p3; without it the atol would be 1.5" in text
 
 
+def exact_row(combination: str, values: list[float]) -> dict[str, Any]:
+    """A distance-from-exact row with its per-prompt first-step max |Δ|."""
+    first = {"max_abs": max(values), "max_abs_by_prompt": values}
+    return {"combination": combination, "status": "ok", "first_step": first}
+
+
 def test_the_findings_rank_distances_from_exact_over_all_prompts() -> None:
     """The worst prompt would name `cpu-fa.f32` (0.05 against 0.06); over the prompts
     `cpu.f32` is nearer, and by how much is said with its interval."""
-
-    def row(combination: str, values: list[float]) -> dict[str, Any]:
-        first = {"max_abs": max(values), "max_abs_by_prompt": values}
-        return {"combination": combination, "status": "ok", "first_step": first}
 
     view = ModelView("m", {"run": []}, [pair("cpu.f32", "cpu-fa.f32", 0.02)])
     view.exact = {
         "status": "ok",
         "rows": [
-            row("cpu.f32", [0.01, 0.012, 0.011, 0.06]),
-            row("cpu-fa.f32", [0.03, 0.032, 0.031, 0.05]),
-            row("cpu.none", [1.0, 1.2, 1.1, 1.3]),
+            exact_row("cpu.f32", [0.01, 0.012, 0.011, 0.06]),
+            exact_row("cpu-fa.f32", [0.03, 0.032, 0.031, 0.05]),
+            exact_row("cpu.none", [1.0, 1.2, 1.1, 1.3]),
         ],
     }
     text = overview.found([view])
@@ -291,17 +293,13 @@ def test_the_findings_quote_the_largest_pair_and_the_distance_from_exact() -> No
 
 
 def test_two_farthest_combinations_the_prompts_cannot_tell_apart_are_both_named() -> None:
-    def row(combination: str, values: list[float]) -> dict[str, Any]:
-        first = {"max_abs": max(values), "max_abs_by_prompt": values}
-        return {"combination": combination, "status": "ok", "first_step": first}
-
     view = ModelView("m", {"run": []}, [pair("cpu.none", "cpu-fa.none", 0.5)])
     view.exact = {
         "status": "ok",
         "rows": [
-            row("cpu.f32", [0.01, 0.012, 0.011, 0.013]),
-            row("cpu.none", [1.0, 1.3, 0.9, 1.2]),
-            row("cpu-fa.none", [1.2, 1.0, 1.1, 1.0]),
+            exact_row("cpu.f32", [0.01, 0.012, 0.011, 0.013]),
+            exact_row("cpu.none", [1.0, 1.3, 0.9, 1.2]),
+            exact_row("cpu-fa.none", [1.2, 1.0, 1.1, 1.0]),
         ],
     }
     text = overview.found([view])

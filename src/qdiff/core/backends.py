@@ -20,10 +20,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 _FLOAT_WEIGHTS = {"f32", "f16", "bf16"}
-# CPU: the activation format of a quantized matmul is the weight type's vec_dot_type
-# (ggml-cpu type traits; docs/background.md).
-_CPU_Q8_0 = {"q1_0", "q2_0", "q4_0", "q5_0", "q8_0", "iq4_nl", "mxfp4", "nvfp4"}
-_CPU_Q8_1 = {"q4_1", "q5_1"}
+# CPU: a matmul's input is converted to its weight type's vec_dot_type (ggml-cpu/ggml-cpu.c
+# type_traits_cpu; docs/background.md). The diagnosis names it; qdiff.exact.roundings
+# emulates it.
+CPU_VEC_DOT_TYPE = {
+    "f32": "f32",
+    "f16": "f16",
+    "bf16": "bf16",
+    **dict.fromkeys(("q1_0", "q2_0", "q4_0", "q5_0", "q8_0", "iq4_nl", "mxfp4", "nvfp4"), "q8_0"),
+    **dict.fromkeys(("q4_1", "q5_1"), "q8_1"),
+    **dict.fromkeys(
+        ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq3_s")
+        + ("iq2_s", "iq1_s", "iq1_m", "iq4_xs", "tq1_0", "tq2_0"),
+        "q8_k",
+    ),
+}
 
 
 def _quantized(weight_types: list[str]) -> list[str]:
@@ -34,7 +45,7 @@ def _cpu_activations(weight_types: list[str]) -> str:
     groups: dict[str, list[str]] = {}
     for t in _quantized(weight_types):
         low = t.lower()
-        fmt = "Q8_0" if low in _CPU_Q8_0 else "Q8_1" if low in _CPU_Q8_1 else "Q8_K"
+        fmt = CPU_VEC_DOT_TYPE.get(low, "q8_k").upper()
         groups.setdefault(fmt, []).append(t)
     return "; ".join(f"{','.join(ts)}→{fmt}" for fmt, ts in sorted(groups.items()))
 

@@ -32,21 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from qdiff.core.backends import CPU_VEC_DOT_TYPE
+
 FA_TILE_Q = 64  # ggml-cpu/common.h GGML_FA_TILE_Q: query rows of the tiled flash-attention path
 
-# ggml-cpu type_traits_cpu: the input format of a matmul with a weight of this type
-VEC_DOT_TYPE = {
-    "f32": "f32",
-    "f16": "f16",
-    "bf16": "bf16",
-    **dict.fromkeys(("q1_0", "q2_0", "q4_0", "q5_0", "q8_0", "iq4_nl", "mxfp4", "nvfp4"), "q8_0"),
-    **dict.fromkeys(("q4_1", "q5_1"), "q8_1"),
-    **dict.fromkeys(
-        ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq2_xxs", "iq2_xs", "iq3_xxs", "iq3_s")
-        + ("iq2_s", "iq1_s", "iq1_m", "iq4_xs", "tq1_0", "tq2_0"),
-        "q8_k",
-    ),
-}
+VEC_DOT_TYPE = CPU_VEC_DOT_TYPE  # the input format of a matmul with a weight of a type
 
 
 class NotEmulatedError(ValueError):
