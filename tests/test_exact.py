@@ -26,10 +26,10 @@ import pytest
 
 from conftest import in_child, quantize_in_child
 from qdiff import exact
+from qdiff.core.roundings import Roundings
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
-from qdiff.exact.roundings import Roundings
 from tinymodel import write_tiny_gemma3, write_tiny_llama
 
 FLOAT32_BOUND = 1e-4

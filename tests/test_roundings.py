@@ -22,16 +22,9 @@ import pytest
 from conftest import in_child, quantize_in_child
 from qdiff import exact
 from qdiff.compare.budget import budget, verdict
+from qdiff.core.roundings import JITTER_SEEDS, Roundings, config_id, plan, sources_of
 from qdiff.core.settings import DeviceSettings
-from qdiff.exact.roundings import (
-    JITTER_SEEDS,
-    Roundings,
-    config_id,
-    flash_rows_one_by_one,
-    plan,
-    q8_0,
-    sources_of,
-)
+from qdiff.exact.roundings import flash_rows_one_by_one, q8_0
 from test_exact import PROMPT, llama_cpp_logits
 from tinymodel import write_tiny_gemma3, write_tiny_llama
 

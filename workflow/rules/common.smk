@@ -25,7 +25,7 @@ from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES
 from qdiff.engine.probe import check_strict_devices
 from qdiff.engine.provenance import llama_build_id
 from qdiff.engine.stage import retry_token
-from qdiff.exact.roundings import plan as rounding_plan
+from qdiff.core.roundings import plan as rounding_plan
 from qdiff.jobs import skip_exit_collection
 from qdiff.sources import fingerprint, made_file_problem
 from qdiff.workflow import (

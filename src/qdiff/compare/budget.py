@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from qdiff.core.records import failure_text
-from qdiff.exact.roundings import FA_TILE_Q, SOURCE_LABELS, plan
+from qdiff.core.roundings import FA_TILE_Q, SOURCE_LABELS, plan
 
 ALPHA = 0.01  # the test's level: "unexplained" is wrong once in a hundred faithful emulations
 # a floor of at least this share of the distance from exact leaves the test without power:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
+from qdiff.core.roundings import Roundings
 from qdiff.exact.architectures import read_hparams
 from qdiff.exact.roundings import (
-    VEC_DOT_TYPE,
-    Roundings,
+    CPU_VEC_DOT_TYPE,
     f16,
     flash_one_row,
     flash_rows_one_by_one,
@@ -163,7 +163,7 @@ class ExactModel:
         kind = self.weights.type_of(name)
         x = self.rounded(x, lambda v: v)  # jittered once: both roundings below see the same
         y = round_activations(x, kind) @ self.weights[name].T
-        if VEC_DOT_TYPE.get(kind) == "q8_1":
+        if CPU_VEC_DOT_TYPE.get(kind) == "q8_1":
             y += q8_1_sum_error(x) @ self.weights.block_minimums(name).T
         return y
 

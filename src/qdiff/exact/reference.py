@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from qdiff.core.backends import CPU_VEC_DOT_TYPE
+from qdiff.core.roundings import NotEmulatedError, Roundings
 from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError
 from qdiff.exact.model import ExactModel
-from qdiff.exact.roundings import VEC_DOT_TYPE, NotEmulatedError, Roundings
 
 
 def reference(
@@ -88,7 +89,7 @@ def emulate(
             "gelu_table": exact.hp.arch.activation == "gelu",
             "activations": bool(matmul_types),
         },
-        "activation_formats": sorted({VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
+        "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
         "peak_rss_mib": _peak_rss_mib(),
     }

@@ -6,7 +6,7 @@ from typing import Any
 
 from qdiff.compare.budget import verdict
 from qdiff.compare.distance import ranked, typical
-from qdiff.exact.roundings import SOURCE_LABELS
+from qdiff.core.roundings import SOURCE_LABELS
 from qdiff.report import figures
 from qdiff.report.fmt import code, count, num, table, text
 from qdiff.report.view import ModelView

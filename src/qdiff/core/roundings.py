@@ -1,0 +1,124 @@
+"""Which of llama.cpp's rounding sources a combination has, and the sets of switches that
+measure them (qdiff.exact.roundings follows each in float64). Pure Python: the Snakefile
+plans with it without loading NumPy."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+FA_TILE_Q = 64  # ggml-cpu/common.h GGML_FA_TILE_Q: query rows of the tiled flash-attention path
+
+
+class NotEmulatedError(ValueError):
+    """A rounding the engine does not follow (a weight type, a KV cache type, a backend)."""
+
+
+@dataclass(frozen=True)
+class Roundings:
+    activations: bool = False
+    kv_f16: bool = False
+    qp_f16: bool = False
+    flash_cpu: bool = False
+    gelu_table: bool = False
+    n_ubatch: int = 512  # decides which rows take flash attention's one-row path
+    # >0: the seed of a float32-sized perturbation of every rounding's input (``jittered``)
+    jitter: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Roundings:
+        return cls(**values)
+
+
+JITTER_SEEDS = (1, 2)  # two draws: the floor is the larger of their distances
+JITTER = 2.0**-20  # about the error of a float32 sum of 256 terms (16 ulps), relative
+
+
+SOURCE_LABELS = {
+    "activations": "activations quantized",
+    "kv_f16": "f16 K/V cache",
+    "qp_f16": "f16 Q and softmax weights",
+    "flash_cpu": "flash attention's f16 Q and accumulator",
+    "gelu_table": "fp16 GELU table",
+}
+
+
+def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
+    """The rounding sources of one combination (its device's recorded settings and its
+    file), each alone. Every CPU source is named; those that change nothing for a model
+    (the GELU table of a SiLU model, activations before f32 weights) are dropped later, when
+    the model's architecture and weight types are read. Raises NotEmulatedError where the
+    engine does not follow the backend's roundings."""
+    backend = settings["backend"]
+    if backend != "cpu":
+        raise NotEmulatedError(f"the {backend} backend's roundings are not emulated yet")
+    if settings.get("extra_bufts"):
+        raise NotEmulatedError("repacked weights (extra_bufts: true) are not emulated")
+    if dequant not in ("none", "f32"):
+        raise NotEmulatedError(f"the {dequant} copy's weights are not the file's")
+    kv = settings.get("kv_cache_type", "f16")
+    if kv not in ("f16", "f32"):
+        raise NotEmulatedError(f"a {kv} KV cache is not emulated")
+    flash = bool(settings.get("flash_attn"))
+    sources = {"gelu_table": Roundings(gelu_table=True)}
+    if dequant == "none":
+        sources["activations"] = Roundings(activations=True)
+    # flash attention takes f16 K and V: llama-graph.cpp casts an f32 cache's to f16
+    if kv == "f16" or flash:
+        sources["kv_f16"] = Roundings(kv_f16=True)
+        if flash:
+            n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
+            sources["flash_cpu"] = Roundings(flash_cpu=True, n_ubatch=n_ubatch)
+        else:
+            sources["qp_f16"] = Roundings(qp_f16=True)
+    return sources
+
+
+def together(sources: dict[str, Roundings]) -> Roundings:
+    """Every source of ``sources`` at once."""
+    switched = {
+        f.name: any(getattr(r, f.name) for r in sources.values())
+        for f in fields(Roundings)
+        if f.type == "bool"
+    }
+    n_ubatch = max((r.n_ubatch for r in sources.values() if r.flash_cpu), default=512)
+    return Roundings(**switched, n_ubatch=n_ubatch)
+
+
+def config_id(r: Roundings) -> str:
+    """A name for a set of switches, the same for equal sets (n_ubatch counts only with
+    flash attention), used as a key of the engine's outputs."""
+    on = [f.name for f in fields(r) if f.type == "bool" and getattr(r, f.name)]
+    name = "+".join(on) + (f"@ub{r.n_ubatch}" if r.flash_cpu else "") if on else "exact"
+    return name + (f"~{r.jitter}" if r.jitter else "")
+
+
+def plan(
+    combinations: dict[str, tuple[dict[str, Any], str]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """For a model's combinations (label -> (device settings, dequant)): the engine's sets
+    of switches to compute, each once (id -> Roundings fields), and per combination its
+    sources (name -> id), all of them at once (``together``: id) and that again with its
+    inputs jittered (``jittered``: ids, one per seed: the emulation's floor), or why none
+    is emulated (``not_emulated``)."""
+    configs: dict[str, dict[str, Any]] = {}
+    per_combination: dict[str, dict[str, Any]] = {}
+    for label, (settings, dequant) in combinations.items():
+        try:
+            sources = sources_of(settings, dequant)
+        except NotEmulatedError as exc:
+            per_combination[label] = {"not_emulated": str(exc)}
+            continue
+        all_of = together(sources)
+        jitters = [replace(all_of, jitter=seed) for seed in JITTER_SEEDS]
+        for r in [*sources.values(), all_of, *jitters]:
+            configs[config_id(r)] = r.as_dict()
+        per_combination[label] = {
+            "sources": {name: config_id(r) for name, r in sources.items()},
+            "together": config_id(all_of),
+            "jittered": [config_id(r) for r in jitters],
+        }
+    return dict(sorted(configs.items())), per_combination
