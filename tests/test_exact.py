@@ -9,14 +9,17 @@ layers (and a safety factor of two) that bounds the gap at 7e-3 of the scale, an
 the table (``Roundings(gelu_table=True)``) must bring it back under the float32 bound: what remains are
 inputs within float32 noise of an fp16 rounding boundary, rounded the other way. (Those
 flips compound with depth, so the tiny gemma3 is shallow: 3 layers, one of them global.)
-A deliberately wrong engine (RoPE pairs, RoPE base, a missing norm, no sliding window) must
-exceed the float32 bound tenfold.
+Every architecture of the engine's table has a tiny model here (tinymodel.VARIANTS), written
+as its converter writes it, and a deliberately wrong engine for what sets it apart (RoPE
+pairs, base or factors, a missing bias or norm, a soft-cap, the sliding window) must exceed
+the float32 bound tenfold.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,13 +27,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import in_child, quantize_in_child
+from conftest import REPO, in_child, quantize_in_child
 from qdiff import exact
 from qdiff.core.roundings import Roundings
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
-from tinymodel import write_tiny_gemma3, write_tiny_llama
+from qdiff.exact.reference import memory_needed
+from tinymodel import SOFTCAPS, VARIANTS, Variant, write_tiny_llama, write_tiny_model, write_variant
 
 FLOAT32_BOUND = 1e-4
 GELU_TABLE_BOUND = 7e-3
@@ -63,9 +67,20 @@ def _llama_cpp_logits(
     return prompt, forced, np.array(rows, dtype=np.float64)
 
 
+N_CTX = 256  # the context llama_cpp_logits gives llama.cpp (past the tiny phi3's LongRoPE)
+
+
+def exact_model(path: Path, roundings: Roundings | None = None) -> exact.ExactModel:
+    """The engine for a file, with the context llama.cpp ran it in; on Gemma, with the GELU
+    table emulated unless ``roundings`` say otherwise."""
+    if roundings is None:
+        roundings = Roundings(gelu_table=exact.ExactModel(path).hp.arch.activation == "gelu")
+    return exact.ExactModel(path, roundings, n_ctx=N_CTX)
+
+
 def gap(
     path: Path,
-    make: Callable[[Path], exact.ExactModel] = exact.ExactModel,
+    make: Callable[[Path], exact.ExactModel] = exact_model,
     kv: str = "f32",
     **settings: Any,
 ) -> float:
@@ -76,52 +91,110 @@ def gap(
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_llama(tmp_path_factory.mktemp("exact") / "llama.gguf", n_head_kv=2)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A tiny model of each of tinymodel.VARIANTS, written once."""
+    folder = tmp_path_factory.mktemp("exact")
+    return functools.cache(lambda name: write_variant(folder / f"{name}.gguf", name))
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_gemma3(tmp_path_factory.mktemp("exact") / "gemma3.gguf")
+def tiny_llama(tiny: Callable[[str], Path]) -> Path:
+    return tiny("llama")
 
 
-def test_llama_agrees_with_llama_cpp_to_float32_rounding(tiny_llama: Path) -> None:
-    assert gap(tiny_llama) < FLOAT32_BOUND
+@pytest.fixture(scope="module")
+def tiny_gemma3(tiny: Callable[[str], Path]) -> Path:
+    return tiny("gemma3")
 
 
-def test_gemma3_agrees_with_llama_cpp_up_to_its_fp16_gelu_table(tiny_gemma3: Path) -> None:
-    model = exact.ExactModel(tiny_gemma3)
-    assert model.hp.swa_layers == (True, False, True)
-    assert model.hp.rope(0) == (10000.0, 1.0) and model.hp.rope(1) == (1e6, 1.0)
-    plain = gap(tiny_gemma3)
-    emulated = gap(tiny_gemma3, lambda p: exact.ExactModel(p, Roundings(gelu_table=True)))
-    assert emulated < FLOAT32_BOUND < plain < GELU_TABLE_BOUND  # the table is the whole gap
+def test_every_architecture_of_the_engine_has_a_tiny_model() -> None:
+    assert {v.arch for v in VARIANTS.values()} == set(exact.ARCHITECTURES)
 
 
-def _wrong(which: str, changes: dict) -> Callable[[Path], exact.ExactModel]:
+@pytest.mark.parametrize("name", VARIANTS)
+def test_each_architecture_agrees_with_llama_cpp_to_float32_rounding(
+    tiny: Callable[[str], Path], name: str
+) -> None:
+    """On a GELU model, with llama.cpp's fp16 GELU table emulated: without it the gap is
+    the table's (above the float32 bound, below GELU_TABLE_BOUND)."""
+    path = tiny(name)
+    assert gap(path) < FLOAT32_BOUND
+    if exact_model(path).hp.arch.activation == "gelu":
+        assert FLOAT32_BOUND < gap(path, lambda p: exact_model(p, Roundings())) < GELU_TABLE_BOUND
+
+
+def test_the_hyperparameters_each_architecture_reads(tiny: Callable[[str], Path]) -> None:
+    """What the tiny files name, and llama.cpp's defaults where they name nothing."""
+    gemma3, gemma2, phi3 = (exact_model(tiny(n)).hp for n in ("gemma3", "gemma2", "phi3"))
+    assert gemma3.swa_layers == (True, False, True)
+    assert gemma3.rope(0) == (10000.0, 1.0) and gemma3.rope(1) == (1e6, 1.0)
+    assert gemma2.swa_layers == (True, False) and gemma2.rope(0) == gemma2.rope(1) == (1e6, 1.0)
+    assert (gemma2.attn_softcap, gemma2.softcap) == SOFTCAPS
+    assert phi3.rope_factors == "rope_factors_long.weight" and phi3.n_swa == 0
+    assert exact.ExactModel(tiny("phi3")).hp.rope_factors == "rope_factors_short.weight"
+    assert exact_model(tiny("llama3")).hp.rope_factors == "rope_freqs.weight"
+
+
+def test_gemma2s_defaults_and_its_27b_attention_scale(tmp_path: Path) -> None:
+    """llama.cpp's gemma2 defaults (soft-caps 50 and 30, a window of 4096) where the file
+    names none, and the 27B's Q scale 1/sqrt(n_embd/n_head) read off its 46 layers."""
+    plain = Variant("gemma2", n_layer=46, tied_output=True, post_norms=True)
+    path = write_tiny_model(tmp_path / "g.gguf", "gemma2", n_embd=64, n_layer=46, variant=plain)
+    hp = exact.ExactModel(path).hp
+    assert (hp.attn_softcap, hp.softcap, hp.n_swa) == (50.0, 30.0, 4096)
+    assert hp.attn_scale == pytest.approx(1 / np.sqrt(64 / 4)) and hp.head_dim == 16
+    small = write_tiny_model(tmp_path / "s.gguf", "gemma2", n_embd=64, variant=plain)
+    assert exact.ExactModel(small).hp.attn_scale == pytest.approx(1 / np.sqrt(16))
+
+
+def _wrong(
+    changes: dict[str, Any] | None = None, **arch: Any
+) -> Callable[[Path], exact.ExactModel]:
+    """The engine with some of its hyperparameters (or its architecture's entry) wrong."""
+
     def make(path: Path) -> exact.ExactModel:
-        model = exact.ExactModel(path, Roundings(gelu_table=which == "gemma3"))
-        model.hp = dataclasses.replace(model.hp, **changes)
+        model = exact_model(path)
+        hp = model.hp
+        model.hp = dataclasses.replace(
+            hp, **(changes or {}), arch=dataclasses.replace(hp.arch, **arch)
+        )
         return model
 
     return make
 
 
+def _without_biases(path: Path) -> exact.ExactModel:
+    model = exact_model(path)
+    for name in [n for n in model.weights.names() if n.endswith(".bias")]:
+        del model.weights._tensors[name]
+    return model
+
+
 @pytest.mark.parametrize(
-    ("which", "change"),
+    ("name", "make"),
     [
-        ("llama", {"arch": dataclasses.replace(exact.ARCHITECTURES["llama"], neox_rope=True)}),
-        ("llama", {"rope_base": 1e6}),
-        ("gemma3", {"rope_base_swa": 1e6}),  # the local layers' base llama.cpp defaults
-        ("gemma3", {"swa_layers": (False,) * 3}),  # no sliding window
-        ("gemma3", {"arch": dataclasses.replace(exact.ARCHITECTURES["gemma3"], post_norms=False)}),
+        ("llama", _wrong(neox_rope=True)),
+        ("llama", _wrong({"rope_base": 1e6})),
+        ("llama3", _wrong({"rope_factors": ""})),  # Llama 3's frequency factors ignored
+        ("qwen2", _without_biases),
+        ("qwen2", _wrong(neox_rope=False)),
+        ("qwen3", _wrong(qk_norm=False)),
+        ("gemma2", _wrong({"attn_softcap": 0.0})),
+        ("gemma2", _wrong({"softcap": 0.0})),
+        ("gemma2", _wrong({"rope_base_swa": 1e4})),  # Gemma 3's default, not Gemma 2's
+        ("gemma2", _wrong({"swa_layers": (False, False)})),
+        ("gemma3", _wrong({"rope_base_swa": 1e6})),  # the local layers' base llama.cpp defaults
+        ("gemma3", _wrong({"swa_layers": (False,) * 3})),  # no sliding window
+        ("gemma3", _wrong(post_norms=False)),
+        ("phi3", _wrong({"rope_factors": "rope_factors_short.weight"})),  # the wrong LongRoPE
+        ("phi3", _wrong({"rope_attn_factor": 1.0})),
+        ("phi3", _wrong({"n_swa": 8, "swa_layers": (True, True)})),  # llama.cpp ignores it
     ],
 )
 def test_a_wrong_engine_fails(
-    tiny_llama: Path, tiny_gemma3: Path, which: str, change: dict
+    tiny: Callable[[str], Path], name: str, make: Callable[[Path], exact.ExactModel]
 ) -> None:
-    path = tiny_llama if which == "llama" else tiny_gemma3
-    assert gap(path, _wrong(which, change)) > 10 * FLOAT32_BOUND
+    assert gap(tiny(name), make) > 10 * FLOAT32_BOUND
 
 
 @pytest.mark.parametrize("target", ["q8_0", "q4_1", "q5_0", "q4_k_m", "q6_k"])
@@ -143,7 +216,8 @@ def test_dequantization_matches_llama_cpp_bit_for_bit(tmp_path: Path, target: st
 def test_an_architecture_it_does_not_know_is_named(tmp_path: Path) -> None:
     path = write_tiny_llama(tmp_path / "alien.gguf", arch="qdiffnet")
     with pytest.raises(
-        exact.UnsupportedArchitectureError, match="supports llama, gemma3, not 'qdiffnet'"
+        exact.UnsupportedArchitectureError,
+        match=f"supports {', '.join(exact.ARCHITECTURES)}, not 'qdiffnet'",
     ):
         exact.ExactModel(path)
 
@@ -168,3 +242,24 @@ def test_the_cpu_f16_kv_cache_emulated_explains_most_of_its_effect(
 
     emulated, plain = gap(path, with_roundings, kv="f16"), gap(path, without, kv="f16")
     assert emulated < plain / 2 and plain > FLOAT32_BOUND
+
+
+def test_the_readme_names_the_architectures_of_the_table() -> None:
+    text = " ".join((REPO / "README.md").read_text().split())
+    sentence = re.search(r"The exact reference follows the architectures (.*?), read from", text)
+    assert sentence is not None
+    assert re.findall(r"`(\w+)`", sentence.group(1)) == list(exact.ARCHITECTURES)
+
+
+def test_layer_by_layer_is_the_same_arithmetic_in_less_memory(
+    tiny: Callable[[str], Path],
+) -> None:
+    """Every sequence through a layer before the next, that layer's float64 weights then
+    dropped: bit for bit what keeping them gives, and a smaller estimate."""
+    path = tiny("qwen2")
+    sequences = [[1, 5, 9, 20, 33], [1, 7, 7]]
+    kept, by_layer = (exact.ExactModel(path, layer_by_layer=s) for s in (False, True))
+    for a, b in zip(kept.hidden(sequences), by_layer.hidden(sequences), strict=True):
+        assert np.array_equal(a, b)
+    assert not any(name.startswith("blk.") for name in by_layer.weights._cache)
+    assert memory_needed(path, 1, layer_by_layer=True) < memory_needed(path, 1)

@@ -1,6 +1,6 @@
 """Limits met for real: a full disk (a small tmpfs), a download with no end, the exact stage
-killed (SIGKILL, as the kernel's out-of-memory killer ends it) and refused beyond a real
-cgroup memory limit, a prompt longer than the context. Each fails its own job with a message
+killed (SIGKILL, as the kernel's out-of-memory killer ends it), run layer by layer within a
+real cgroup memory limit and refused below it, a prompt longer than the context. Each fails its own job with a message
 that says what to do, and the report still renders.
 
 The disk and memory limits need root (mount, cgroups), as CI has; without it these tests
@@ -187,12 +187,13 @@ def test_the_emulations_killed_cost_only_the_error_budget(
     assert record(workspace, "results/exact/tiny/roundings.json")["status"] == "ok"
 
 
-def test_an_exact_stage_beyond_the_cgroups_memory_is_refused_before_it_starts(
+def test_an_exact_stage_beyond_the_cgroups_memory_runs_layer_by_layer_within_it(
     workspace: Workspace, tmp_path: Path
 ) -> None:
     """The workflow in a real cgroup with a 700 MB memory limit: the float64 engine's
-    estimate for a 68 M-parameter model (about 0.8 GiB) is more than the cgroup leaves, so
-    the stage is refused with a message that names the limit, instead of being killed."""
+    estimate for a 68 M-parameter model with every weight kept (about 0.8 GiB) is more than
+    the cgroup leaves, so it holds one layer's weights at a time (about 0.4 GiB), says so
+    in its log before it starts, and stays within the limit instead of being killed."""
     needs_root("a cgroup with a memory limit")
     assert CGROUP_MEMORY.is_dir(), "no cgroup v1 memory controller at /sys/fs/cgroup/memory"
     workspace.write_config(exact_only(bigger_llama(tmp_path, "q8_0")))
@@ -212,12 +213,29 @@ def test_an_exact_stage_beyond_the_cgroups_memory_is_refused_before_it_starts(
         group.rmdir()
     assert proc.returncode == 0, proc.stderr[-3000:]
     exact = record(workspace, "results/exact/tiny/record.json")
+    assert exact["status"] == "ok" and exact["layer_by_layer"], exact
+    assert exact["peak_rss_mib"] <= exact["memory_estimate_mib"] < 700, exact
+    log = (workspace.root / "results/logs/exact/tiny.log").read_text()
+    assert re.search(r"needs about 0\.\d\d GiB \(one layer's weights at a time\)", log), log
+
+
+def test_an_exact_stage_beyond_its_memory_limit_is_refused_before_it_starts(
+    workspace: Workspace, tmp_path: Path
+) -> None:
+    """Below even the layer-by-layer estimate (exact.max_memory_gib 0.3 for that model),
+    the stage is refused with a message that names both estimates and the limit, instead
+    of being killed; the run and the report are there."""
+    config = exact_only(bigger_llama(tmp_path, "q8_0"))
+    config["exact"] = {**config.get("exact", {}), "max_memory_gib": 0.3}
+    workspace.write_config(config)
+    workspace.snakemake()
+    exact = record(workspace, "results/exact/tiny/record.json")
     assert exact["status"] == "failed", exact
     message = exact["error"]["message"]
     assert re.search(
-        r"the float64 engine needs about 0\.\d\d GiB for tiny\.gguf, and the cgroup's memory limit "
-        rf"\(/sys/fs/cgroup/memory/{group.name}\) allows 0\.\d\d GiB: free memory, set "
-        r"exact.max_memory_gib",
+        r"the float64 engine needs about 0\.\d\d GiB for tiny\.gguf layer by layer \(0\.\d\d "
+        r"GiB with every weight kept\), and exact\.max_memory_gib allows 0\.30 GiB: free "
+        r"memory, set exact\.max_memory_gib",
         message,
     ), message
     assert record(workspace, "results/runs/tiny/cpu/none/record.json")["status"] == "ok"

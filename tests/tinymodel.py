@@ -8,6 +8,8 @@ has to be fetched.
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -80,13 +82,71 @@ def write_tiny_llama(
     )
 
 
-def write_tiny_gemma3(path: Path, seed: int = 0, n_layer: int = 3, n_swa: int = 4) -> Path:
-    """Write an F32 gemma3 GGUF with random weights: per-head Q/K norms, post-attention and
-    post-feed-forward norms, GELU, one KV head, and a sliding window short enough that a
-    test's prompt crosses it. Every second layer is global (layers 0 and 2 local, 1 global):
-    Gemma's own pattern is 6, and this keeps the model shallow."""
+def write_tiny_gemma3(path: Path, seed: int = 0) -> Path:
+    """Write an F32 gemma3 GGUF with random weights (VARIANTS["gemma3"])."""
+    return write_variant(path, "gemma3", seed)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A tiny model of one architecture as its converter writes it (convert_hf_to_gguf.py and
+    conversion/*.py at the vendored commit): the tensors and keys that make it that kind."""
+
+    arch: str
+    qkv_bias: bool = False  # Qwen2's Q/K/V biases
+    fused_qkv: bool = False  # one attn_qkv (Phi-3)
+    fused_gate_up: bool = False  # ffn_up holds the gate's rows, then the up rows (Phi-3)
+    qk_norm: bool = False  # per-head Q and K norms (Qwen3, Gemma 3)
+    post_norms: bool = False  # Gemma's norms after attention and the feed-forward
+    tied_output: bool = False  # no output.weight: the embeddings (Gemma, Qwen2.5 small)
+    rope_freqs: bool = False  # Llama 3's frequency factors
+    longrope: bool = False  # Phi-3's long and short factors, attention factor
+    softcaps: bool = False  # Gemma 2's attention and final logit soft-caps
+    n_swa: int = 0
+    swa_pattern: int = 0
+    n_head_kv: int | None = None
+    n_layer: int = 2
+
+
+# one entry per architecture the exact engine knows (tests/test_exact.py checks that every
+# entry of qdiff.exact.ARCHITECTURES has one), and llama 3 for its RoPE factors
+VARIANTS = {
+    "llama": Variant("llama", n_head_kv=2),
+    "llama3": Variant("llama", n_head_kv=2, rope_freqs=True),
+    "qwen2": Variant("qwen2", n_head_kv=2, qkv_bias=True, tied_output=True),
+    "qwen3": Variant("qwen3", n_head_kv=2, qk_norm=True),
+    # one KV head and windows short enough that a test's prompt crosses them; every second
+    # layer global (Gemma 3's own pattern is 6: this keeps the model shallow)
+    "gemma2": Variant(
+        "gemma2", n_head_kv=1, post_norms=True, tied_output=True, softcaps=True, n_swa=4
+    ),
+    "gemma3": Variant(
+        "gemma3",
+        n_head_kv=1,
+        qk_norm=True,
+        post_norms=True,
+        tied_output=True,
+        n_swa=4,
+        swa_pattern=2,
+        n_layer=3,
+    ),
+    "phi3": Variant("phi3", fused_qkv=True, fused_gate_up=True, longrope=True, n_swa=8),
+}
+SOFTCAPS = (5.0, 3.0)  # attention, final
+LONGROPE_ORIGINAL_CONTEXT = 64  # shorter than the tests' context: the long factors apply
+
+
+def write_variant(path: Path, name: str, seed: int = 0) -> Path:
+    v = VARIANTS[name]
     return write_tiny_model(
-        path, "gemma3", seed, n_layer=n_layer, n_head_kv=1, n_swa=n_swa, swa_pattern=2
+        path,
+        v.arch,
+        seed,
+        n_layer=v.n_layer,
+        n_head_kv=v.n_head_kv,
+        n_swa=v.n_swa,
+        swa_pattern=v.swa_pattern,
+        variant=v,
     )
 
 
@@ -103,19 +163,18 @@ def write_tiny_model(
     n_swa: int = 0,
     swa_pattern: int = 0,
     licence: str | None = "cc0-1.0",  # weights of our own making; the report shows it
+    variant: Variant | None = None,
 ) -> Path:
     n_head_kv = n_head_kv or n_head
+    v = variant or VARIANTS.get(arch, VARIANTS["llama"])
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"qdiff-tiny-{seed}" if arch == "llama" else f"qdiff-tiny-{arch}-{seed}")
     if licence is not None:
         writer.add_license(licence)
-    _hyperparameters(
-        writer, arch, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx, n_swa, swa_pattern
-    )
-    n_vocab = _tokenizer(writer)
-    _tensors(
-        writer, np.random.default_rng(seed), arch, n_vocab, n_embd, n_layer, n_head, n_head_kv, n_ff
-    )
+    shape = Shape(n_embd, n_layer, n_head, n_head_kv, n_ff)
+    _hyperparameters(writer, arch, shape, n_ctx, n_swa, swa_pattern, v)
+    n_vocab = _tokenizer(writer, arch)
+    _tensors(writer, np.random.default_rng(seed), n_vocab, shape, v)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -123,40 +182,67 @@ def write_tiny_model(
     return path
 
 
+@dataclass(frozen=True)
+class Shape:
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
 def _hyperparameters(
     writer: gguf.GGUFWriter,
     arch: str,
-    n_embd: int,
-    n_layer: int,
-    n_head: int,
-    n_head_kv: int,
-    n_ff: int,
+    shape: Shape,
     n_ctx: int,
     n_swa: int,
     swa_pattern: int,
+    v: Variant,
 ) -> None:
-    head_dim = n_embd // n_head
     writer.add_context_length(n_ctx)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head_kv)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
-    if arch == "gemma3":
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_rope_freq_base(1e6)  # global layers; local layers use llama.cpp's 1e4
+    if arch in ("gemma2", "gemma3", "qwen3"):
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if arch in ("gemma2", "gemma3", "qwen2", "qwen3"):
+        writer.add_rope_freq_base(1e6)  # gemma3's local layers use 1e4, gemma2's this
+    if arch == "llama" and v.rope_freqs:
+        writer.add_rope_freq_base(5e5)
+    if n_swa:
         writer.add_sliding_window(n_swa)
-        if swa_pattern:
-            writer.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
+    if swa_pattern:
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern", swa_pattern)
+    if v.softcaps:  # Gemma 2 has 50 and 30; the tiny model's scores and logits are smaller
+        writer.add_attn_logit_softcapping(SOFTCAPS[0])
+        writer.add_final_logit_softcapping(SOFTCAPS[1])
+    if v.longrope:
+        writer.add_rope_scaling_orig_ctx_len(LONGROPE_ORIGINAL_CONTEXT)
+        scale = n_ctx / LONGROPE_ORIGINAL_CONTEXT  # conversion/phi.py's attention factor
+        writer.add_rope_scaling_attn_factors(
+            float(np.sqrt(1 + np.log(scale) / np.log(LONGROPE_ORIGINAL_CONTEXT)))
+        )
     writer.add_file_type(0)  # all F32
 
 
-def _tokenizer(writer: gguf.GGUFWriter) -> int:
-    """A llama-spm vocabulary; its size."""
+def _tokenizer(writer: gguf.GGUFWriter, arch: str) -> int:
+    """A llama-spm vocabulary; its size. For phi3, Phi-3's <|endoftext|> as well: llama.cpp
+    sets its attributes when the model's name says phi3 (llama-vocab.cpp), and aborts
+    without it."""
     tokens, scores, types = spm_vocab()
+    if arch == "phi3":
+        tokens, scores = [*tokens, "<|endoftext|>"], [*scores, 0.0]
+        types = [*types, int(gguf.TokenType.CONTROL)]
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
@@ -169,43 +255,59 @@ def _tokenizer(writer: gguf.GGUFWriter) -> int:
 
 
 def _tensors(
-    writer: gguf.GGUFWriter,
-    rng: np.random.Generator,
-    arch: str,
-    n_vocab: int,
-    n_embd: int,
-    n_layer: int,
-    n_head: int,
-    n_head_kv: int,
-    n_ff: int,
+    writer: gguf.GGUFWriter, rng: np.random.Generator, n_vocab: int, s: Shape, v: Variant
 ) -> None:
-    head_dim = n_embd // n_head
-    gemma = arch == "gemma3"
-
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
-    def norm(size: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+    def vector(size: int, centre: float = 1.0, spread: float = 0.1) -> np.ndarray:
+        return (centre + spread * rng.standard_normal(size)).astype(np.float32)
 
-    # gemma scales the embeddings by sqrt(n_embd) itself
-    embedding = matrix(n_vocab, n_embd) * float(np.sqrt(n_embd) / 4)
-    writer.add_tensor("token_embd.weight", embedding / (float(np.sqrt(n_embd)) if gemma else 1.0))
-    writer.add_tensor("output_norm.weight", norm(n_embd))
-    if not gemma:  # gemma ties the output to the embeddings
-        writer.add_tensor("output.weight", matrix(n_vocab, n_embd) * 4.0)
-    for i in range(n_layer):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm(n_embd))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", matrix(n_head * head_dim, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", matrix(n_head_kv * head_dim, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(n_head_kv * head_dim, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(n_embd, n_head * head_dim))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm(n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(n_embd, n_ff))
-        if gemma:
-            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(head_dim))
-            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(head_dim))
-            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm(n_embd))
-            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm(n_embd))
+    # Gemma scales the embeddings by sqrt(n_embd) itself
+    embedding = matrix(n_vocab, s.n_embd) * float(np.sqrt(s.n_embd) / 4)
+    gemma = v.arch.startswith("gemma")
+    writer.add_tensor("token_embd.weight", embedding / (float(np.sqrt(s.n_embd)) if gemma else 1.0))
+    writer.add_tensor("output_norm.weight", vector(s.n_embd))
+    if not v.tied_output:
+        writer.add_tensor("output.weight", matrix(n_vocab, s.n_embd) * 4.0)
+    half = s.head_dim // 2
+    if v.rope_freqs:  # Llama 3.1's factors run from 1 (fast pairs) to 8 (slow ones)
+        writer.add_tensor("rope_freqs.weight", np.geomspace(1, 8, half).astype(np.float32))
+    if v.longrope:
+        writer.add_tensor("rope_factors_long.weight", vector(half, 3.0, 1.0).clip(1.0))
+        writer.add_tensor("rope_factors_short.weight", vector(half, 1.0, 0.05))
+    for i in range(s.n_layer):
+        _layer_tensors(writer, f"blk.{i}.", matrix, vector, s, v)
+
+
+def _layer_tensors(
+    writer: gguf.GGUFWriter,
+    b: str,
+    matrix: Callable[[int, int], np.ndarray],
+    vector: Callable[[int, float, float], np.ndarray],
+    s: Shape,
+    v: Variant,
+) -> None:
+    q_rows, kv_rows = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    writer.add_tensor(b + "attn_norm.weight", vector(s.n_embd, 1.0, 0.1))
+    if v.fused_qkv:
+        writer.add_tensor(b + "attn_qkv.weight", matrix(q_rows + 2 * kv_rows, s.n_embd))
+    else:
+        for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+            writer.add_tensor(b + f"attn_{name}.weight", matrix(rows, s.n_embd))
+            if v.qkv_bias:
+                writer.add_tensor(b + f"attn_{name}.bias", vector(rows, 0.0, 0.5))
+    writer.add_tensor(b + "attn_output.weight", matrix(s.n_embd, q_rows))
+    writer.add_tensor(b + "ffn_norm.weight", vector(s.n_embd, 1.0, 0.1))
+    if v.fused_gate_up:
+        writer.add_tensor(b + "ffn_up.weight", matrix(2 * s.n_ff, s.n_embd))
+    else:
+        writer.add_tensor(b + "ffn_gate.weight", matrix(s.n_ff, s.n_embd))
+        writer.add_tensor(b + "ffn_up.weight", matrix(s.n_ff, s.n_embd))
+    writer.add_tensor(b + "ffn_down.weight", matrix(s.n_embd, s.n_ff))
+    norms = (["attn_q_norm", "attn_k_norm"] if v.qk_norm else []) + (
+        ["post_attention_norm", "post_ffw_norm"] if v.post_norms else []
+    )
+    for norm in norms:
+        size = s.head_dim if norm.startswith("attn_") else s.n_embd
+        writer.add_tensor(b + f"{norm}.weight", vector(size, 1.0, 0.1))

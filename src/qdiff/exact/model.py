@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -13,12 +14,14 @@ from qdiff.core.roundings import Roundings
 from qdiff.exact.architectures import read_hparams
 from qdiff.exact.roundings import (
     CPU_VEC_DOT_TYPE,
+    Scores,
     f16,
     flash_one_row,
     flash_rows_one_by_one,
     jittered,
     q8_1_sum_error,
     round_activations,
+    soft_capped,
 )
 
 EXACT = Roundings()  # no rounding source: the exact answer
@@ -39,6 +42,9 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
 
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
     def float32(self, name: str) -> np.ndarray:
         """A tensor as llama.cpp dequantizes it (float32), numpy's row-major shape."""
         t = self._tensors[name]
@@ -48,6 +54,11 @@ class Weights:
         if name not in self._cache:
             self._cache[name] = self.float32(name).astype(np.float64)
         return self._cache[name]
+
+    def release(self, prefix: str) -> None:
+        """Forget the float64 copies of the tensors whose names start with ``prefix``."""
+        for name in [n for n in self._cache if n.startswith(prefix)]:
+            del self._cache[name]
 
     def block_minimums(self, name: str) -> np.ndarray:
         """A Q4_1 or Q5_1 tensor's minimum per block of 32 (the fp16 ``m`` that follows each
@@ -88,12 +99,12 @@ def _softmax_attention(
     k: np.ndarray,
     v: np.ndarray,
     masked: np.ndarray,
-    scale: float,
+    how: Scores,
     p_rounding: Callable[[np.ndarray], np.ndarray] | None,
 ) -> np.ndarray:
-    """softmax(scale·Q·Kᵀ, masked)·V per head (q, k, v: (n, heads, d)); with ``p_rounding``
-    the softmax weights rounded before the product with V."""
-    scores = (q.transpose(1, 0, 2) @ k.transpose(1, 2, 0)) * scale  # (heads, queries, keys)
+    """softmax(scores(Q·Kᵀ), masked)·V per head (q, k, v: (n, heads, d)); with
+    ``p_rounding`` the softmax weights rounded before the product with V."""
+    scores = how(q.transpose(1, 0, 2) @ k.transpose(1, 2, 0))  # (heads, queries, keys)
     scores[:, masked] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
@@ -107,15 +118,29 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def rope(
-    x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, scale: float, neox: bool
-) -> np.ndarray:
-    """ggml_rope_ext without YaRN: pair i of each head turns by pos * scale * base^(-2i/n_rot)."""
-    half = n_rot // 2
-    theta = positions[:, None] * scale * base ** (-2.0 * np.arange(half) / n_rot)
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]  # over heads
+@dataclass(frozen=True)
+class Rope:
+    """One layer's ggml_rope_ext without YaRN: pair i of each head turns by
+    pos·scale·base^(-2i/n_rot)/factors[i], and the turned pairs are multiplied by
+    ``attn_factor`` (rope_yarn's mscale)."""
+
+    n_rot: int
+    base: float
+    scale: float
+    neox: bool
+    factors: np.ndarray | None = None
+    attn_factor: float = 1.0
+
+
+def rope(x: np.ndarray, positions: np.ndarray, r: Rope) -> np.ndarray:
+    n_rot, half = r.n_rot, r.n_rot // 2
+    theta = positions[:, None] * r.scale * r.base ** (-2.0 * np.arange(half) / n_rot)
+    if r.factors is not None:
+        theta = theta / r.factors
+    cos = r.attn_factor * np.cos(theta)[:, None, :]  # over heads
+    sin = r.attn_factor * np.sin(theta)[:, None, :]
     out = x.copy()
-    if neox:
+    if r.neox:
         first, second = slice(0, half), slice(half, n_rot)
     else:
         first, second = slice(0, n_rot, 2), slice(1, n_rot, 2)
@@ -128,11 +153,21 @@ def rope(
 class ExactModel:
     """One GGUF, evaluated exactly (see the module's docstring)."""
 
-    def __init__(self, path: Path, roundings: Roundings = EXACT) -> None:
+    def __init__(
+        self,
+        path: Path,
+        roundings: Roundings = EXACT,
+        n_ctx: int | None = None,
+        layer_by_layer: bool = False,
+    ) -> None:
         """``roundings``: llama.cpp's rounding sources to apply (qdiff.exact.roundings), to
-        measure how much of a run's distance from exact each explains; none by default."""
+        measure how much of a run's distance from exact each explains; none by default.
+        ``n_ctx``: the context the runs give a sequence (it picks LongRoPE's factors).
+        ``layer_by_layer``: hold one layer's weights in float64 at a time, not all of them
+        (``hidden`` takes every sequence through a layer before the next)."""
+        self.layer_by_layer = layer_by_layer
         self.weights = Weights(path)
-        self.hp = read_hparams(self.weights.reader)
+        self.hp = read_hparams(self.weights.reader, set(self.weights.names()), n_ctx)
         self.roundings = roundings
         self.output_name = (
             "output.weight" if "output.weight" in self.weights else "token_embd.weight"
@@ -156,31 +191,49 @@ class ExactModel:
         return gelu_tanh(x)
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x @ Wᵀ, the input rounded as the CPU rounds it for this weight's type when the
-        ``activations`` switch is on."""
+        """x @ Wᵀ (+ the bias where the file has one, as llama.cpp's loader takes it), the
+        input rounded as the CPU rounds it for this weight's type when the ``activations``
+        switch is on."""
+        bias = name.removesuffix("weight") + "bias"
         if not self._roundings.activations:
-            return x @ self.weights[name].T
-        kind = self.weights.type_of(name)
-        x = self.rounded(x, lambda v: v)  # jittered once: both roundings below see the same
-        y = round_activations(x, kind) @ self.weights[name].T
-        if CPU_VEC_DOT_TYPE.get(kind) == "q8_1":
-            y += q8_1_sum_error(x) @ self.weights.block_minimums(name).T
-        return y
+            y = x @ self.weights[name].T
+        else:
+            kind = self.weights.type_of(name)
+            x = self.rounded(x, lambda v: v)  # jittered once: both roundings below see it
+            y = round_activations(x, kind) @ self.weights[name].T
+            if CPU_VEC_DOT_TYPE.get(kind) == "q8_1":
+                y += q8_1_sum_error(x) @ self.weights.block_minimums(name).T
+        return y + self.weights[bias] if bias in self.weights else y
+
+    def _qkv(self, x: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q, K and V, (n, heads, head_dim): from a fused ``attn_qkv`` (its rows Q, then K,
+        then V; llm_graph_context::build_qkv) or from three matrices."""
+        hp, p, n = self.hp, f"blk.{layer}.", len(x)
+        sizes = (hp.n_head, hp.n_head_kv, hp.n_head_kv)
+        if p + "attn_qkv.weight" in self.weights:
+            fused = self.linear(x, p + "attn_qkv.weight")
+            parts = np.split(fused, np.cumsum([s * hp.head_dim for s in sizes])[:-1], axis=1)
+        else:
+            parts = [self.linear(x, p + f"attn_{w}.weight") for w in "qkv"]
+        q, k, v = (part.reshape(n, s, hp.head_dim) for part, s in zip(parts, sizes, strict=True))
+        return q, k, v
+
+    def rope_of(self, layer: int) -> Rope:
+        hp = self.hp
+        base, scale = hp.rope(layer)
+        factors = self.weights[hp.rope_factors] if hp.rope_factors else None
+        return Rope(hp.n_rot, base, scale, hp.arch.neox_rope, factors, hp.rope_attn_factor)
 
     def _attention(self, x: np.ndarray, layer: int, positions: np.ndarray) -> np.ndarray:
         hp, w, p = self.hp, self.weights, f"blk.{layer}."
         n, d = len(x), hp.head_dim
-        q = self.linear(x, p + "attn_q.weight").reshape(n, hp.n_head, d)
-        k = self.linear(x, p + "attn_k.weight").reshape(n, hp.n_head_kv, d)
-        v = self.linear(x, p + "attn_v.weight").reshape(n, hp.n_head_kv, d)
+        q, k, v = self._qkv(x, layer)
         if hp.arch.qk_norm:
             q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
             k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
-        base, scale = hp.rope(layer)
-        q = rope(q, positions, hp.n_rot, base, scale, hp.arch.neox_rope)
-        k = rope(k, positions, hp.n_rot, base, scale, hp.arch.neox_rope)
-        scale = 1.0 / math.sqrt(d)
-        if hp.arch.query_scale:  # Gemma scales Q, llama the scores: the same in float64
+        q, k = rope(q, positions, self.rope_of(layer)), rope(k, positions, self.rope_of(layer))
+        scale = hp.attn_scale
+        if hp.arch.query_scale:  # Gemma and Phi-3 scale Q, llama the scores: float64 agrees
             q, scale = q * scale, 1.0
         r = self._roundings
         if r.kv_f16:
@@ -191,45 +244,57 @@ class ExactModel:
             masked |= distance >= hp.n_swa
         heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)  # each query head's K/V
         k, v = k[:, heads], v[:, heads]
+        scores = Scores(scale, hp.attn_softcap)
         p_rounding = (lambda probs: self.rounded(probs, f16)) if r.qp_f16 else None
         q_used = self.rounded(q, f16) if r.qp_f16 else q
-        out = _softmax_attention(q_used, k, v, masked, scale, p_rounding)
+        out = _softmax_attention(q_used, k, v, masked, scores, p_rounding)
         if r.flash_cpu:
             one_by_one = flash_rows_one_by_one(n, r.n_ubatch)
             if one_by_one.any():
                 q_in = self.rounded(q, np.asarray)  # jittered, then rounded to f16 inside
-                out[one_by_one] = flash_one_row(q_in, k, v, masked, scale)[one_by_one]
-        y = self.linear(out.reshape(n, hp.n_head * d), p + "attn_output.weight")
-        if p + "attn_output.bias" in w:
-            y = y + w[p + "attn_output.bias"]
-        return y
+                out[one_by_one] = flash_one_row(q_in, k, v, masked, scores)[one_by_one]
+        return self.linear(out.reshape(n, hp.n_head * d), p + "attn_output.weight")
 
     def _feed_forward(self, x: np.ndarray, layer: int) -> np.ndarray:
         p = f"blk.{layer}."
-        gate = self.linear(x, p + "ffn_gate.weight")
+        if self.hp.arch.fused_gate_up:  # ggml_swiglu: silu of the first half times the second
+            gate, up = np.split(self.linear(x, p + "ffn_up.weight"), 2, axis=1)
+        else:
+            gate, up = self.linear(x, p + "ffn_gate.weight"), self.linear(x, p + "ffn_up.weight")
         act = self.gelu(gate) if self.hp.arch.activation == "gelu" else silu(gate)
-        return self.linear(act * self.linear(x, p + "ffn_up.weight"), p + "ffn_down.weight")
+        return self.linear(act * up, p + "ffn_down.weight")
 
     def forward(self, tokens: list[int], outputs: slice) -> np.ndarray:
         """Logits (float64, full vocabulary) at the positions ``outputs`` of ``tokens``, from
         an empty context (positions 0, 1, ...)."""
+        return self.logits(self.hidden([tokens])[0][outputs])
+
+    def hidden(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """Each sequence's last layer's output (before the output norm), every sequence
+        through one layer before the next, each from an empty context."""
         hp, w = self.hp, self.weights
-        x = w["token_embd.weight"][np.asarray(tokens)]
+        xs = [w["token_embd.weight"][np.asarray(tokens)] for tokens in sequences]
         if hp.arch.embed_scale:
-            x = x * math.sqrt(hp.n_embd)
-        positions = np.arange(len(tokens), dtype=np.float64)
+            xs = [x * math.sqrt(hp.n_embd) for x in xs]
         for layer in range(hp.n_layer):
-            p = f"blk.{layer}."
-            attn = self._attention(rms_norm(x, w[p + "attn_norm.weight"], hp.eps), layer, positions)
-            if hp.arch.post_norms:
-                attn = rms_norm(attn, w[p + "post_attention_norm.weight"], hp.eps)
-            x = x + attn
-            ffn = self._feed_forward(rms_norm(x, w[p + "ffn_norm.weight"], hp.eps), layer)
-            if hp.arch.post_norms:
-                ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], hp.eps)
-            x = x + ffn
-        x = rms_norm(x[outputs], w["output_norm.weight"], hp.eps)
-        logits = self.linear(x, self.output_name)
-        if hp.softcap:
-            logits = hp.softcap * np.tanh(logits / hp.softcap)
-        return logits
+            xs = [self._layer(x, layer) for x in xs]
+            if self.layer_by_layer:
+                w.release(f"blk.{layer}.")
+        return xs
+
+    def _layer(self, x: np.ndarray, layer: int) -> np.ndarray:
+        hp, w, p = self.hp, self.weights, f"blk.{layer}."
+        positions = np.arange(len(x), dtype=np.float64)
+        attn = self._attention(rms_norm(x, w[p + "attn_norm.weight"], hp.eps), layer, positions)
+        if hp.arch.post_norms:
+            attn = rms_norm(attn, w[p + "post_attention_norm.weight"], hp.eps)
+        x = x + attn
+        ffn = self._feed_forward(rms_norm(x, w[p + "ffn_norm.weight"], hp.eps), layer)
+        if hp.arch.post_norms:
+            ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], hp.eps)
+        return x + ffn
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """The full vocabulary's logits of last-layer outputs ``x`` (rows of ``hidden``)."""
+        x = rms_norm(x, self.weights["output_norm.weight"], self.hp.eps)
+        return soft_capped(self.linear(x, self.output_name), self.hp.softcap)

@@ -16,34 +16,39 @@ from qdiff.exact.model import ExactModel
 
 
 def reference(
-    model: Path, teacher_run: dict[str, Any], teacher_slices: np.ndarray | None, top_k: int
+    model: Path,
+    teacher_run: dict[str, Any],
+    teacher_slices: np.ndarray | None,
+    top_k: int,
+    layer_by_layer: bool = False,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The exact logits along the teacher's text: full-vocabulary first-step logits per
     prompt, and at every position the forced passes keep (the teacher's ``teacher_slices``
     token ids, or the exact top-``top_k`` without them) the same summaries as a forced pass
-    (qdiff.compare.forced), in float64. The prompts' tokens are llama.cpp's, from the teacher's run."""
+    (qdiff.compare.forced), in float64. The prompts' tokens are llama.cpp's, from the
+    teacher's run. ``layer_by_layer``: see ExactModel."""
     import time
 
     from qdiff.core.forced import ForcedRecorder
 
     start = time.perf_counter()
-    exact = ExactModel(model)
+    exact = ExactModel(model, n_ctx=context_of(teacher_run), layer_by_layer=layer_by_layer)
     prompts = teacher_run["prompts"]
     max_len = max((len(p["tokens"]) for p in prompts), default=0)
     k = teacher_slices.shape[-1] if teacher_slices is not None else min(top_k, exact.hp.n_vocab)
     recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64)
     first = np.zeros((len(prompts), exact.hp.n_vocab))
-    forward_s = 0.0
+    began = time.perf_counter()  # the weights are read and dequantized as the layers need them
+    # the last forced token predicts nothing kept
+    hidden = exact.hidden([p["prompt_tokens"] + p["tokens"][:-1] for p in prompts])
     for p, prompt in enumerate(prompts):
         tokens, forced = prompt["prompt_tokens"], prompt["tokens"]
-        sequence = tokens + forced[:-1]  # the last forced token predicts nothing kept
-        began = time.perf_counter()
-        logits = exact.forward(sequence, slice(len(tokens) - 1, len(sequence)))
-        forward_s += time.perf_counter() - began
+        logits = exact.logits(hidden[p][len(tokens) - 1 :])
         first[p] = logits[0]
         recorder.begin_prompt(p, len(tokens), forced)
         for t in range(len(forced)):
             recorder.add(p, t, logits[t], None if teacher_slices is None else teacher_slices[p, t])
+    forward_s = time.perf_counter() - began
     record = {
         "architecture": exact.hp.arch.name,
         "hparams": hparams_record(exact.hp),
@@ -56,12 +61,16 @@ def reference(
             "forward_s": round(forward_s, 3),
         },
         "peak_rss_mib": _peak_rss_mib(),
+        "layer_by_layer": layer_by_layer,
     }
     return record, {**recorder.arrays, "first_logits": first}
 
 
 def emulate(
-    model: Path, teacher_run: dict[str, Any], configs: dict[str, dict[str, Any]]
+    model: Path,
+    teacher_run: dict[str, Any],
+    configs: dict[str, dict[str, Any]],
+    layer_by_layer: bool = False,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The first step of every prompt with each set of llama.cpp's rounding sources
     (``configs``: a name -> Roundings fields; qdiff.exact.roundings) switched on in the
@@ -71,16 +80,13 @@ def emulate(
     import time
 
     start = time.perf_counter()
-    exact = ExactModel(model)
+    exact = ExactModel(model, n_ctx=context_of(teacher_run), layer_by_layer=layer_by_layer)
     prompts = teacher_run["prompts"]
     arrays = {}
     for name, values in configs.items():
         exact.roundings = Roundings.from_dict(values)
-        rows = [
-            exact.forward(p["prompt_tokens"], slice(len(p["prompt_tokens"]) - 1, None))[0]
-            for p in prompts
-        ]
-        arrays[name] = np.array(rows)
+        hidden = exact.hidden([p["prompt_tokens"] for p in prompts])
+        arrays[name] = np.array([exact.logits(h[-1:])[0] for h in hidden])
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
     record = {
         "prompt_ids": [p["id"] for p in prompts],
@@ -92,8 +98,14 @@ def emulate(
         "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
         "peak_rss_mib": _peak_rss_mib(),
+        "layer_by_layer": layer_by_layer,
     }
     return record, arrays
+
+
+def context_of(teacher_run: dict[str, Any]) -> int:
+    """The context the teacher's run gave its sequence (it picks LongRoPE's factors)."""
+    return int(teacher_run["generation"]["n_ctx"])
 
 
 def _peak_rss_mib() -> float:
@@ -104,12 +116,12 @@ def _peak_rss_mib() -> float:
 
 def hparams_record(hp: Hparams) -> dict[str, Any]:
     """The hyperparameters a reference was computed with, as its record states them."""
-    fields = ("n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_vocab")
+    fields = ("n_embd", "n_layer", "n_head", "n_head_kv", "head_dim", "n_rot", "n_vocab")
+    rope = ("rope_base", "rope_scale", "rope_base_swa", "rope_scale_swa", "rope_attn_factor")
+    attention = ("n_swa", "attn_scale", "attn_softcap", "softcap")
     return {
-        **{f: getattr(hp, f) for f in fields},
-        "rope_base": hp.rope_base,
-        "rope_base_swa": hp.rope_base_swa,
-        "n_swa": hp.n_swa,
+        **{f: getattr(hp, f) for f in (*fields, *rope, *attention)},
+        "rope_factors": hp.rope_factors or None,
         "swa_layers": list(hp.swa_layers),
     }
 
@@ -118,23 +130,36 @@ BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
 READER_BYTES_PER_TOKEN = 2560  # gguf-py's reader holds every vocabulary entry as arrays
 
 
-def memory_needed(model: Path, logit_rows: int) -> int:
+def memory_needed(model: Path, logit_rows: int, layer_by_layer: bool = False) -> int:
     """Bytes ``reference`` or ``emulate`` needs for ``model`` when it holds ``logit_rows``
     rows of full-vocabulary logits, read off the file's tensor shapes before anything is
-    loaded: every weight in float64 (they are kept), the float32 copy of the largest one
-    while it is converted, those logits, the GGUF reader (which
-    parses the whole vocabulary: about 2.5 KiB a token, measured on Gemma 3's 262,144) and
-    a base. tests/test_gemma.py checks it against the peak resident memory of the default
-    experiment's models: never below, and within 1.5x."""
+    loaded: every weight in float64 (they are kept; ``layer_by_layer``, those outside the
+    layers and the largest layer's), the float32 copy of the largest one while it is
+    converted, those logits, the GGUF reader (which parses the whole vocabulary: about 2.5
+    KiB a token, measured on Gemma 3's 262,144) and a base. tests/test_gemma.py checks it
+    against the peak resident memory of the default experiment's models: never below, and
+    within 1.5x."""
     import gguf
 
     reader = gguf.GGUFReader(model)
-    sizes = [int(t.n_elements) for t in reader.tensors]
+    sizes = {t.name: int(t.n_elements) for t in reader.tensors}
     vocab = reader.fields.get("tokenizer.ggml.tokens")
     n_vocab = len(vocab.data) if vocab is not None else 0
     logits = 8 * n_vocab * logit_rows
     reader_bytes = READER_BYTES_PER_TOKEN * n_vocab
-    return 8 * sum(sizes) + 4 * max(sizes, default=0) + logits + reader_bytes + BASE_MEMORY
+    largest = 4 * max(sizes.values(), default=0)
+    if not layer_by_layer:
+        return 8 * sum(sizes.values()) + largest + logits + reader_bytes + BASE_MEMORY
+    layers: dict[str, int] = {}
+    outside = 0
+    for name, size in sizes.items():
+        if name.startswith("blk."):
+            layer = name.split(".")[1]
+            layers[layer] = layers.get(layer, 0) + size
+        else:
+            outside += size
+    held = outside + max(layers.values(), default=0)
+    return 8 * held + largest + logits + reader_bytes + BASE_MEMORY
 
 
 ERROR_FILE = "error.json"  # a handled failure, written by the child
@@ -155,10 +180,11 @@ def main(argv: list[str]) -> int:
     run = spec["teacher_run"]
     slices = load_arrays(Path(spec["teacher_data"]))["slice_ids"] if spec["teacher_data"] else None
     try:
+        stream = spec["layer_by_layer"]
         if spec.get("configs") is not None:
-            record, arrays = emulate(Path(spec["model"]), run, spec["configs"])
+            record, arrays = emulate(Path(spec["model"]), run, spec["configs"], stream)
         else:
-            record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"])
+            record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"], stream)
     except (UnsupportedArchitectureError, NotEmulatedError) as exc:
         write_json(out / ERROR_FILE, {"kind": "unsupported", "message": str(exc)})
         return UNSUPPORTED

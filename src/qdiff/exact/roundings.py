@@ -27,6 +27,8 @@ float32 sums. What each switch follows:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from qdiff.core.backends import CPU_VEC_DOT_TYPE
@@ -115,6 +117,23 @@ def round_activations(x: np.ndarray, weight_type: str) -> np.ndarray:
     return x if rounding is None else rounding(x)
 
 
+def soft_capped(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap·tanh(x/cap) (Gemma 2's attention and final logits); x itself when cap is 0."""
+    return cap * np.tanh(x / cap) if cap else x
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Attention scores from Q·Kᵀ as llama.cpp forms them: scaled, then soft-capped where
+    the architecture caps them (the exact engine and the flash emulation share it)."""
+
+    scale: float
+    softcap: float = 0.0
+
+    def __call__(self, qk: np.ndarray) -> np.ndarray:
+        return soft_capped(qk * self.scale, self.softcap)
+
+
 def flash_rows_one_by_one(n_tokens: int, n_ubatch: int) -> np.ndarray:
     """Which of a prompt's rows CPU flash attention computes on its one-row path: those in a
     ubatch of fewer than FA_TILE_Q rows (a prompt is split into ubatches of n_ubatch)."""
@@ -123,7 +142,7 @@ def flash_rows_one_by_one(n_tokens: int, n_ubatch: int) -> np.ndarray:
 
 
 def flash_one_row(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, masked: np.ndarray, scale: float
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, masked: np.ndarray, scores: Scores
 ) -> np.ndarray:
     """CPU flash attention's one-row path (``ggml_compute_forward_flash_attn_ext_f16_one_
     chunk`` with an f16 K and V): Q rounded to f16, an online softmax over the keys in order,
@@ -136,7 +155,7 @@ def flash_one_row(
     acc = np.zeros((n, heads, d))
     for key in range(n):
         live = ~masked[:, key]
-        s = np.einsum("nhd,hd->nh", q, k[key]) * scale
+        s = scores(np.einsum("nhd,hd->nh", q, k[key]))
         higher = live[:, None] & (s > top)
         ms = np.where(higher, np.exp(top - s), 1.0)  # exp(-inf) = 0 at the first key
         below = np.where(live[:, None] & ~higher, s - top, 0.0)

@@ -56,7 +56,10 @@ def exact_stage(
     ]
     if not_ok:
         raise StageError(f"no exact reference: {failure_text(not_ok[0])}")
-    needed = _memory_check(inputs, max_memory_gib)
+    needed, layer_by_layer = _memory_plan(inputs, max_memory_gib)
+    with log.open("a") as out:  # before it starts, so a user watching the log knows
+        mode = "one layer's weights at a time" if layer_by_layer else "every weight kept"
+        out.write(f"qdiff: the float64 engine needs about {needed / GIB:.2f} GiB ({mode})\n")
     prefix = ".exact-" if inputs.configs is None else ".roundings-"  # the two jobs' own
     for stale in data_out.parent.glob(f"{prefix}*"):  # left by a killed job
         shutil.rmtree(stale, ignore_errors=True)
@@ -69,6 +72,7 @@ def exact_stage(
             "teacher_data": str(inputs.forced_data) if inputs.forced_data else None,
             "top_k": inputs.top_k,
             "configs": inputs.configs,
+            "layer_by_layer": layer_by_layer,
             **{name: str(path) for name, path in made.items()},
         }
         write_json(folder / "spec.json", spec)
@@ -90,17 +94,23 @@ def exact_stage(
     return {"status": "ok", **record, "memory_estimate_mib": round(needed / 2**20, 1)}
 
 
-def _memory_check(inputs: ExactInputs, max_memory_gib: float | None) -> int:
-    """The engine's estimate, in bytes, refused (StageError) beyond what it may take."""
-    needed = memory_needed(inputs.model, inputs.logit_rows())
+def _memory_plan(inputs: ExactInputs, max_memory_gib: float | None) -> tuple[int, bool]:
+    """The engine's estimate in bytes, and whether it holds one layer's weights in float64
+    at a time: only when keeping them all would not fit (each weight is then dequantized
+    once per emulated set, not once). Refused (StageError) when neither fits."""
     limit, what = (
         (max_memory_gib * GIB, "exact.max_memory_gib") if max_memory_gib else available_memory()
     )
-    if needed > limit:
-        raise StageError(
-            f"the float64 engine needs about {needed / GIB:.2f} GiB for "
-            f"{inputs.info.get('file', inputs.model.name)}, and {what} allows "
-            f"{max(limit, 0) / GIB:.2f} GiB: free memory, set exact.max_memory_gib if this "
-            "machine can give more than qdiff sees, or set exact.enabled: false"
-        )
-    return needed
+    rows = inputs.logit_rows()
+    kept, by_layer = (memory_needed(inputs.model, rows, stream) for stream in (False, True))
+    if kept <= limit:
+        return kept, False
+    if by_layer <= limit:
+        return by_layer, True
+    raise StageError(
+        f"the float64 engine needs about {by_layer / GIB:.2f} GiB for "
+        f"{inputs.info.get('file', inputs.model.name)} layer by layer ({kept / GIB:.2f} GiB "
+        f"with every weight kept), and {what} allows {max(limit, 0) / GIB:.2f} GiB: free "
+        "memory, set exact.max_memory_gib if this machine can give more than qdiff sees, "
+        "or set exact.enabled: false"
+    )
