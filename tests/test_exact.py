@@ -173,22 +173,31 @@ def _without_biases(path: Path) -> exact.ExactModel:
 @pytest.mark.parametrize(
     ("name", "make"),
     [
-        ("llama", _wrong(neox_rope=True)),
-        ("llama", _wrong({"rope_base": 1e6})),
-        ("llama3", _wrong({"rope_factors": ""})),  # Llama 3's frequency factors ignored
-        ("qwen2", _without_biases),
-        ("qwen2", _wrong(neox_rope=False)),
-        ("qwen3", _wrong(qk_norm=False)),
-        ("gemma2", _wrong({"attn_softcap": 0.0})),
-        ("gemma2", _wrong({"softcap": 0.0})),
-        ("gemma2", _wrong({"rope_base_swa": 1e4})),  # Gemma 3's default, not Gemma 2's
-        ("gemma2", _wrong({"swa_layers": (False, False)})),
-        ("gemma3", _wrong({"rope_base_swa": 1e6})),  # the local layers' base llama.cpp defaults
-        ("gemma3", _wrong({"swa_layers": (False,) * 3})),  # no sliding window
-        ("gemma3", _wrong(post_norms=False)),
-        ("phi3", _wrong({"rope_factors": "rope_factors_short.weight"})),  # the wrong LongRoPE
-        ("phi3", _wrong({"rope_attn_factor": 1.0})),
-        ("phi3", _wrong({"n_swa": 8, "swa_layers": (True, True)})),  # llama.cpp ignores it
+        pytest.param("llama", _wrong(neox_rope=True), id="llama: NEOX RoPE pairs"),
+        pytest.param("llama", _wrong({"rope_base": 1e6}), id="llama: RoPE base 1e6"),
+        pytest.param("llama3", _wrong({"rope_factors": ""}), id="llama 3: rope_freqs ignored"),
+        pytest.param("qwen2", _without_biases, id="qwen2: no Q/K/V biases"),
+        pytest.param("qwen2", _wrong(neox_rope=False), id="qwen2: adjacent RoPE pairs"),
+        pytest.param("qwen3", _wrong(qk_norm=False), id="qwen3: no Q/K norms"),
+        pytest.param("gemma2", _wrong({"attn_softcap": 0.0}), id="gemma2: no attention soft-cap"),
+        pytest.param("gemma2", _wrong({"softcap": 0.0}), id="gemma2: no final soft-cap"),
+        # Gemma 3's default for the local layers, not Gemma 2's (the global base)
+        pytest.param("gemma2", _wrong({"rope_base_swa": 1e4}), id="gemma2: local RoPE base 1e4"),
+        pytest.param("gemma2", _wrong({"swa_layers": (False,) * 2}), id="gemma2: no window"),
+        # llama.cpp's default for the local layers is 1e4, not the file's global base
+        pytest.param("gemma3", _wrong({"rope_base_swa": 1e6}), id="gemma3: local RoPE base 1e6"),
+        pytest.param("gemma3", _wrong({"swa_layers": (False,) * 3}), id="gemma3: no window"),
+        pytest.param("gemma3", _wrong(post_norms=False), id="gemma3: no post-norms"),
+        pytest.param(
+            "phi3",
+            _wrong({"rope_factors": "rope_factors_short.weight"}),
+            id="phi3: short LongRoPE factors for a long context",
+        ),
+        pytest.param("phi3", _wrong({"rope_attn_factor": 1.0}), id="phi3: no attention factor"),
+        # phi3.cpp: "Phi SWA is currently disabled"
+        pytest.param(
+            "phi3", _wrong({"n_swa": 8, "swa_layers": (True,) * 2}), id="phi3: window applied"
+        ),
     ],
 )
 def test_a_wrong_engine_fails(
