@@ -119,6 +119,9 @@ def test_each_architecture_agrees_with_llama_cpp_to_float32_rounding(
     the table's (above the float32 bound, below GELU_TABLE_BOUND)."""
     path = tiny(name)
     assert gap(path) < FLOAT32_BOUND
+    model = exact_model(path)
+    model.forward([1, 5, 9], slice(-1, None))
+    assert model.hp.unread_keys == () and model.weights.unread() == []  # it read them all
     if exact_model(path).hp.arch.activation == "gelu":
         assert FLOAT32_BOUND < gap(path, lambda p: exact_model(p, Roundings())) < GELU_TABLE_BOUND
 
@@ -272,3 +275,13 @@ def test_layer_by_layer_is_the_same_arithmetic_in_less_memory(
         assert np.array_equal(a, b)
     assert not any(name.startswith("blk.") for name in by_layer.weights._cache)
     assert memory_needed(path, 1, layer_by_layer=True) < memory_needed(path, 1)
+
+
+def test_what_the_engine_does_not_read_is_named(tmp_path: Path) -> None:
+    """A file with what no entry of the table follows (a MoE file's expert count and
+    router): the engine names the key and the tensor its answer leaves out."""
+    path = write_tiny_model(tmp_path / "moe.gguf", "llama", variant=Variant("llama", router=True))
+    model = exact.ExactModel(path)
+    model.forward([1, 5, 9], slice(-1, None))
+    assert model.hp.unread_keys == ("llama.expert_count",)
+    assert model.weights.unread() == ["blk.*.ffn_gate_inp.weight"]

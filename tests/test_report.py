@@ -306,3 +306,17 @@ def test_two_farthest_combinations_the_prompts_cannot_tell_apart_are_both_named(
     assert "`cpu.none` and `cpu-fa.none` farthest (1.09 and 1.07, indistinguishable on these" in (
         text
     )
+
+
+def test_what_the_exact_engine_did_not_read_is_named_and_escaped() -> None:
+    from qdiff.report.sections.distance import left_out
+
+    assert left_out({"unread": {"keys": [], "tensors": []}}) == left_out({}) == ""
+    line = left_out(
+        {"unread": {"keys": ["llama.expert_count"], "tensors": ["blk.*.ffn_gate_inp.weight"]}}
+    )
+    assert "**The engine did not read**" in line
+    assert "`llama.expert_count`, `blk.*.ffn_gate_inp.weight`" in line
+    # a key is the file's text: one code span, whatever backticks it holds
+    hostile = left_out({"unread": {"keys": ["x.<script>`a`"], "tensors": []}})
+    assert hostile.endswith(": `` x.<script>`a` ``.")

@@ -106,6 +106,7 @@ class Variant:
     swa_pattern: int = 0
     n_head_kv: int | None = None
     n_layer: int = 2
+    router: bool = False  # a MoE file's expert count and router, which no entry follows
 
 
 # one entry per architecture the exact engine knows (tests/test_exact.py checks that every
@@ -226,6 +227,8 @@ def _hyperparameters(
     if v.softcaps:  # Gemma 2 has 50 and 30; the tiny model's scores and logits are smaller
         writer.add_attn_logit_softcapping(SOFTCAPS[0])
         writer.add_final_logit_softcapping(SOFTCAPS[1])
+    if v.router:
+        writer.add_expert_count(4)
     if v.longrope:
         writer.add_rope_scaling_orig_ctx_len(LONGROPE_ORIGINAL_CONTEXT)
         scale = n_ctx / LONGROPE_ORIGINAL_CONTEXT  # conversion/phi.py's attention factor
@@ -305,6 +308,8 @@ def _layer_tensors(
         writer.add_tensor(b + "ffn_gate.weight", matrix(s.n_ff, s.n_embd))
         writer.add_tensor(b + "ffn_up.weight", matrix(s.n_ff, s.n_embd))
     writer.add_tensor(b + "ffn_down.weight", matrix(s.n_embd, s.n_ff))
+    if v.router:
+        writer.add_tensor(b + "ffn_gate_inp.weight", matrix(4, s.n_embd))
     norms = (["attn_q_norm", "attn_k_norm"] if v.qk_norm else []) + (
         ["post_attention_norm", "post_ffw_norm"] if v.post_norms else []
     )

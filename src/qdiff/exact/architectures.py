@@ -7,6 +7,7 @@ the file holds, as llama.cpp's loader does, and is not an entry's business."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ class Architecture:
     swa_rope_from_global: bool = False  # else llama_hparams' default base 10000, scale 1
     large_scale_layers: int = 0  # the layer count of the variant that scales Q by
     #                              1/sqrt(n_embd/n_head), not 1/sqrt(head_dim) (Gemma 27B)
+    ignored_keys: tuple[str, ...] = ()  # keys llama.cpp reads and then does not apply
 
 
 ARCHITECTURES = {
@@ -75,10 +77,18 @@ ARCHITECTURES = {
         ),
         # sliding_window names a window llama.cpp does not apply (phi3.cpp: "Phi SWA is
         # currently disabled"), so the engine does not either
-        Architecture("phi3", neox_rope=True, query_scale=True, fused_gate_up=True),
+        Architecture(
+            "phi3",
+            neox_rope=True,
+            query_scale=True,
+            fused_gate_up=True,
+            ignored_keys=("attention.sliding_window",),
+        ),
     )
 }
 ATTN_SOFTCAP_DEFAULT = 50.0  # llama_hparams.f_attn_logit_softcapping
+# keys the engine need not read: sizes its tensors' shapes give, and what changes no logit
+NO_EFFECT_KEYS = ("context_length", "feed_forward_length", "rope.scaling.finetuned")
 ROPE_SCALING_TYPES = ("none", "linear", "longrope")  # YaRN's ramp is not followed
 
 
@@ -104,6 +114,7 @@ class Hparams:
     attn_scale: float  # multiplies Q·Kᵀ (or Q, where the architecture scales Q)
     attn_softcap: float  # 0: none
     softcap: float  # final logit soft-capping; 0: none
+    unread_keys: tuple[str, ...] = ()  # the file's keys of its architecture the engine ignores
 
     def rope(self, layer: int) -> tuple[float, float]:
         """(base, scale) of a layer's RoPE: local (sliding-window) layers have their own."""
@@ -138,8 +149,10 @@ def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) 
     """The hyperparameters as llama.cpp reads them, with llama.cpp's defaults. ``n_ctx``:
     the context a run gives each sequence, which picks LongRoPE's long or short factors."""
     arch = architecture_of(reader)
+    read = {f"{arch.name}.{k}" for k in (*NO_EFFECT_KEYS, *arch.ignored_keys)}
 
     def key(k: str, default: Any = None) -> Any:
+        read.add(f"{arch.name}.{k}")
         return _field(reader, f"{arch.name}.{k}", default)
 
     n_embd, n_head, n_layer = (
@@ -160,7 +173,9 @@ def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) 
     large = n_layer == arch.large_scale_layers
     softcap = key("attn_logit_softcapping", ATTN_SOFTCAP_DEFAULT) if arch.attn_softcap else 0.0
     vocab = reader.fields.get("tokenizer.ggml.tokens")
-    return Hparams(
+    if key("attention.value_length", head_dim) != head_dim:
+        raise UnsupportedArchitectureError("V heads of another size than K's are not supported")
+    hp = Hparams(
         arch=arch,
         n_vocab=key("vocab_size", len(vocab.data) if vocab else 0),
         n_embd=n_embd,
@@ -182,6 +197,8 @@ def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) 
         attn_softcap=softcap,
         softcap=key("final_logit_softcapping", arch.final_softcap),
     )
+    mine = (k for k in reader.fields if k.startswith(f"{arch.name}."))
+    return dataclasses.replace(hp, unread_keys=tuple(sorted(set(mine) - read)))
 
 
 def _swa_layers(key: Any, arch: Architecture, n_layer: int, n_swa: int) -> tuple[bool, ...]:

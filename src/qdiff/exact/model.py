@@ -4,6 +4,7 @@ model's definition computed exactly (``ExactModel``)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,12 @@ class Weights:
         self.reader = gguf.GGUFReader(path)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache: dict[str, np.ndarray] = {}
+        self.read: set[str] = set()  # the tensors a forward pass used
+
+    def unread(self) -> list[str]:
+        """The file's tensors no forward pass has used so far, one name for a tensor of
+        every layer (``blk.*.name``)."""
+        return sorted({re.sub(r"^blk\.\d+\.", "blk.*.", n) for n in set(self._tensors) - self.read})
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -51,6 +58,7 @@ class Weights:
         return np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
 
     def __getitem__(self, name: str) -> np.ndarray:
+        self.read.add(name)
         if name not in self._cache:
             self._cache[name] = self.float32(name).astype(np.float64)
         return self._cache[name]
@@ -168,6 +176,8 @@ class ExactModel:
         self.layer_by_layer = layer_by_layer
         self.weights = Weights(path)
         self.hp = read_hparams(self.weights.reader, set(self.weights.names()), n_ctx)
+        # LongRoPE's other set of factors is left out by choice, as llama.cpp leaves it
+        self.weights.read |= {"rope_factors_long.weight", "rope_factors_short.weight"}
         self.roundings = roundings
         self.output_name = (
             "output.weight" if "output.weight" in self.weights else "token_embd.weight"

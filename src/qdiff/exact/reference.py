@@ -52,6 +52,8 @@ def reference(
     record = {
         "architecture": exact.hp.arch.name,
         "hparams": hparams_record(exact.hp),
+        # what the file holds that the engine's answer leaves out (the report names them)
+        "unread": {"keys": list(exact.hp.unread_keys), "tensors": exact.weights.unread()},
         "weight_types": exact.weights.types(),
         "prompt_ids": [p["id"] for p in prompts],
         "n_positions": int(recorder.arrays["lengths"].sum()),

@@ -74,7 +74,19 @@ def exact_distance(view: ModelView) -> str:
         f"{exact['n_positions']} positions): {timings['total_s']:.1f} s, peak memory "
         f"{exact['peak_rss_mib']:.0f} MiB."
     )
-    return head + "\n\n" + table(rows)
+    return head + left_out(exact) + "\n\n" + table(rows)
+
+
+def left_out(exact: dict[str, Any]) -> str:
+    """A sentence naming the file's keys and tensors the engine did not read, if any."""
+    unread = exact.get("unread", {})
+    names = [code(n) for n in (*unread.get("keys", []), *unread.get("tensors", []))]
+    if not names:
+        return ""
+    return (
+        " **The engine did not read** these of the file's keys and tensors, so its answer "
+        f"leaves them out: {', '.join(names)}."
+    )
 
 
 BUDGET_LEGEND = (
