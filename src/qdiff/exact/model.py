@@ -228,7 +228,7 @@ class ExactModel:
         q, k, v = (part.reshape(n, s, hp.head_dim) for part, s in zip(parts, sizes, strict=True))
         return q, k, v
 
-    def rope_of(self, layer: int) -> Rope:
+    def _rope_of(self, layer: int) -> Rope:
         hp = self.hp
         base, scale = hp.rope(layer)
         factors = self.weights[hp.rope_factors] if hp.rope_factors else None
@@ -241,7 +241,8 @@ class ExactModel:
         if hp.arch.qk_norm:
             q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
             k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
-        q, k = rope(q, positions, self.rope_of(layer)), rope(k, positions, self.rope_of(layer))
+        turn = self._rope_of(layer)
+        q, k = rope(q, positions, turn), rope(k, positions, turn)
         scale = hp.attn_scale
         if hp.arch.query_scale:  # Gemma and Phi-3 scale Q, llama the scores: float64 agrees
             q, scale = q * scale, 1.0
