@@ -204,11 +204,22 @@ def test_forks_are_counted_by_site_and_a_site_is_a_tie_only_if_every_pair_says_s
     assert "expected to do" not in found.text  # not every site is a tie: no such claim
 
 
+def _forced(forced: float | list[float]) -> dict:
+    if isinstance(forced, list):
+        return {
+            "status": "ok",
+            "max_abs_median": float(np.median(forced)),
+            "max_abs_median_by_prompt": {f"p{i}": x for i, x in enumerate(forced)},
+        }
+    return {"status": "ok", "max_abs_median": forced}
+
+
 def exact_rows(
-    distances: dict[str, tuple[float | list[float], float]], budgets: dict[str, dict] | None = None
+    distances: dict[str, tuple[float | list[float], float | list[float]]],
+    budgets: dict[str, dict] | None = None,
 ) -> dict:
-    """A distance-from-exact result: label -> (first-step max |Δ|, or per prompt, forced
-    median max |Δ|)."""
+    """A distance-from-exact result: label -> (first-step max |Δ|, or per prompt; forced
+    median max |Δ|, or per prompt)."""
     return {
         "model": "m",
         "status": "ok",
@@ -221,7 +232,7 @@ def exact_rows(
                     if isinstance(first, list)
                     else {"max_abs": first}
                 ),
-                "forced": {"status": "ok", "max_abs_median": forced},
+                "forced": _forced(forced),
                 **({"budget": budgets[label]} if budgets and label in budgets else {}),
             }
             for label, (first, forced) in distances.items()
@@ -245,10 +256,10 @@ def test_a_ranking_that_one_prompt_would_flip_is_decided_over_all_prompts() -> N
     records, pairs = matrix(devices, ["none", "f32"], {("cpu.none", "cpu-fa.none"): 1.8})
     exact = exact_rows(
         {
-            "cpu.none": (_prompts(1.0, last=1.9), 0.7),
-            "cpu-fa.none": (_prompts(1.5, last=1.5), 0.8),
-            "cpu.f32": (_prompts(0.025), 0.007),
-            "cpu-fa.f32": (_prompts(0.02), 0.008),
+            "cpu.none": (_prompts(1.0, last=1.9), _prompts(0.7)),
+            "cpu-fa.none": (_prompts(1.5, last=1.5), _prompts(0.8)),
+            "cpu.f32": (_prompts(0.025), _prompts(0.007)),
+            "cpu-fa.f32": (_prompts(0.02), [0.007 * x for x in SPREAD[::-1]]),
         }
     )
     found = {
@@ -263,10 +274,17 @@ def test_a_ranking_that_one_prompt_would_flip_is_decided_over_all_prompts() -> N
         "interval 1.28–1.5; `cpu-fa.none` the farther on 11 of 12 prompts; each side's worst prompt 1.9 vs 1.65"
         in text
     )
-    assert "along the text, median max |Δ| over the positions 0.7 vs 0.8" in text
+    # along the text, each prompt's median over its positions, paired the same way
+    assert (
+        "along the text, `cpu.none` is 1.14× closer (geometric mean over 12 prompts of the "
+        "per-prompt ratio of the median over a prompt's forced positions of max |Δ|, 95% "
+        "bootstrap interval 1.14–1.14; `cpu-fa.none` the farther on 12 of 12 prompts); "
+        "medians over all positions 0.7 vs 0.8." in text
+    )
     assert "`cpu.none` vs `cpu-fa.f32`" not in found  # two changes at once: no single question
     near = found["`cpu.f32` vs `cpu-fa.f32`"].text  # a constant 1.25 on every prompt
     assert "`cpu-fa.f32` is 1.25× closer" in near and "interval 1.25–1.25" in near
+    assert "along the text, as far as each other (" in near  # the same values, reordered
 
 
 def test_distances_no_interval_separates_name_no_side() -> None:

@@ -114,6 +114,8 @@ def test_every_default_combination_has_an_error_budget(default_run: Workspace) -
             assert ("flash_cpu" in names) == label.startswith("cpu-fa"), (label, names)
             assert budget["floor"]["median"] > 0 and budget["residual"]["median"] > 0
             assert 0 <= budget["within_floor"] <= 12 and 0 < budget["p_value"] <= 1
+            along = row["forced"]["max_abs_median_by_prompt"]  # what the diagnosis pairs
+            assert len(along) == 12 and all(v > 0 for v in along.values()), (label, along)
     sections = [part.split("### ")[0] for part in summary.split("### Error budget")[1:]]
     assert len(sections) == len(MODELS) and all(s.count("| `cpu") == 4 for s in sections)
 

@@ -84,7 +84,9 @@ def _along_the_text(
     if result["status"] != "ok":
         return result
     kept = ("n_positions", "max_abs", "max_abs_median", "kl_mean", "top1_agree")
-    return {"status": "ok", **{k: result[k] for k in kept}}
+    # per prompt, the median over its positions: what a comparison along the text pairs
+    by_prompt = {pid: median(np.asarray(v)) for pid, v in result["per_prompt_max_abs"].items()}
+    return {"status": "ok", **{k: result[k] for k in kept}, "max_abs_median_by_prompt": by_prompt}
 
 
 def _first_steps_from_forced(

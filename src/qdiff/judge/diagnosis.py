@@ -329,13 +329,43 @@ def _per_prompt(row: dict[str, Any]) -> list[float] | None:
     return row["first_step"].get("max_abs_by_prompt")
 
 
-def _ratio_text(r: dict[str, Any], far: str) -> str:
+def _ratio_text(r: dict[str, Any], far: str, of: str = "first-step max |Δ|") -> str:
     """How a paired ratio was decided; ``far`` the side it puts in the numerator."""
     return (
-        f"geometric mean over {r['n']} prompts of the per-prompt ratio of first-step max "
-        f"|Δ|, {LEVEL:.0%} bootstrap interval {r['low']:.3g}–{r['high']:.3g}; `{far}` the "
+        f"geometric mean over {r['n']} prompts of the per-prompt ratio of {of}, "
+        f"{LEVEL:.0%} bootstrap interval {r['low']:.3g}–{r['high']:.3g}; `{far}` the "
         f"farther on {r['farther_on']} of {r['n']} prompts"
     )
+
+
+ALONG = "the median over a prompt's forced positions of max |Δ|"
+
+
+def _along_the_text(pair: Pair, a: dict[str, Any], b: dict[str, Any]) -> tuple[str, dict]:
+    """The same question along the teacher's text: a paired ratio of each prompt's median
+    max |Δ| over its forced positions, with its interval; empty where either side has none."""
+    fa, fb = a.get("forced", {}), b.get("forced", {})
+    ma, mb = fa.get("max_abs_median_by_prompt", {}), fb.get("max_abs_median_by_prompt", {})
+    common = [pid for pid in ma if pid in mb]  # paired by prompt
+    if fa.get("status") != "ok" or fb.get("status") != "ok" or not common:
+        return "", {}
+    pa, pb = [ma[pid] for pid in common], [mb[pid] for pid in common]
+    r = paired_ratio(pa, pb)
+    if r["verdict"] == "indistinguishable":
+        text = f"along the text, as far as each other ({_ratio_text(r, pair.b.label, ALONG)})"
+    else:
+        near, far = (pair.a, pair.b) if r["verdict"] == "farther" else (pair.b, pair.a)
+        if near is pair.b:
+            r = paired_ratio(pb, pa)
+        text = (
+            f"along the text, `{near.label}` is {r['ratio']:.3g}× closer "
+            f"({_ratio_text(r, far.label, ALONG)})"
+        )
+    medians = (
+        f"; medians over all positions {_fmt(fa['max_abs_median'])} vs {_fmt(fb['max_abs_median'])}"
+    )
+    numbers = {"forced_ratio": r["ratio"], "forced_low": r["low"], "forced_high": r["high"]}
+    return f"; {text}{medians}", numbers
 
 
 def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
@@ -369,15 +399,9 @@ def _closer_to_exact(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Findin
                 f"{head}`{near.label}` is {r['ratio']:.3g}× closer to exact than "
                 f"`{far.label}` at the first step ({_ratio_text(r, far.label)}; {worst})"
             )
-        numbers = {"ratio": r["ratio"], "low": r["low"], "high": r["high"]}
-        fa, fb = a.get("forced", {}), b.get("forced", {})
-        if fa.get("status") == "ok" and fb.get("status") == "ok":
-            ma, mb = fa["max_abs_median"], fb["max_abs_median"]
-            numbers.update(forced_a=ma, forced_b=mb)
-            text += f"; along the text, median max |Δ| over the positions {_fmt(ma)} vs {_fmt(mb)}."
-        else:
-            text += "."
-        findings.append(Finding("closer-to-exact", text, numbers))
+        along, forced = _along_the_text(pair, a, b)
+        numbers = {"ratio": r["ratio"], "low": r["low"], "high": r["high"], **forced}
+        findings.append(Finding("closer-to-exact", f"{text}{along}.", numbers))
     return findings
 
 
