@@ -33,7 +33,7 @@ from qdiff.core.roundings import Roundings
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
-from qdiff.exact.reference import memory_needed
+from qdiff.exact.reference import Workload, memory_needed
 from tinymodel import SOFTCAPS, VARIANTS, Variant, write_tiny_llama, write_tiny_model, write_variant
 
 FLOAT32_BOUND = 1e-4
@@ -131,6 +131,7 @@ def test_the_hyperparameters_each_architecture_reads(tiny: Callable[[str], Path]
     gemma3, gemma2, phi3 = (exact_model(tiny(n)).hp for n in ("gemma3", "gemma2", "phi3"))
     assert gemma3.swa_layers == (True, False, True)
     assert gemma3.rope(0) == (10000.0, 1.0) and gemma3.rope(1) == (1e6, 1.0)
+    assert exact_model(tiny("gemma3-4b")).hp.rope(1) == (1e6, 1 / 8)
     assert gemma2.swa_layers == (True, False) and gemma2.rope(0) == gemma2.rope(1) == (1e6, 1.0)
     assert (gemma2.attn_softcap, gemma2.softcap) == SOFTCAPS
     assert phi3.rope_factors == "rope_factors_long.weight" and phi3.n_swa == 0
@@ -191,6 +192,12 @@ def _without_biases(path: Path) -> exact.ExactModel:
         pytest.param("gemma3", _wrong({"rope_base_swa": 1e6}), id="gemma3: local RoPE base 1e6"),
         pytest.param("gemma3", _wrong({"swa_layers": (False,) * 3}), id="gemma3: no window"),
         pytest.param("gemma3", _wrong(post_norms=False), id="gemma3: no post-norms"),
+        pytest.param(
+            "gemma3-4b", _wrong({"rope_scale": 1.0}), id="gemma3 4B: global layers unscaled"
+        ),
+        pytest.param(
+            "gemma3-4b", _wrong({"rope_scale_swa": 1 / 8}), id="gemma3 4B: local layers scaled"
+        ),
         pytest.param(
             "phi3",
             _wrong({"rope_factors": "rope_factors_short.weight"}),
@@ -274,7 +281,8 @@ def test_layer_by_layer_is_the_same_arithmetic_in_less_memory(
     for a, b in zip(kept.hidden(sequences), by_layer.hidden(sequences), strict=True):
         assert np.array_equal(a, b)
     assert not any(name.startswith("blk.") for name in by_layer.weights._cache)
-    assert memory_needed(path, 1, layer_by_layer=True) < memory_needed(path, 1)
+    work = Workload(logit_rows=1, longest=5, tokens=8)
+    assert memory_needed(path, work, layer_by_layer=True) < memory_needed(path, work)
 
 
 def test_what_the_engine_does_not_read_is_named(tmp_path: Path) -> None:
@@ -285,3 +293,48 @@ def test_what_the_engine_does_not_read_is_named(tmp_path: Path) -> None:
     model.forward([1, 5, 9], slice(-1, None))
     assert model.hp.unread_keys == ("llama.expert_count",)
     assert model.weights.unread() == ["blk.*.ffn_gate_inp.weight"]
+
+
+def _peak_of_a_forward(path: Path, tokens: list[int]) -> int:
+    import resource
+
+    exact.ExactModel(path).forward(tokens, slice(-1, None))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def test_the_memory_estimate_covers_a_long_sequences_activations(
+    tiny: Callable[[str], Path],
+) -> None:
+    """2,000 tokens through 4 heads: each (heads, n, n) float64 array of scores is 128 MB,
+    far more than the tiny model's weights; the estimate holds the child's peak."""
+    tokens = [1] + [5 + i % 300 for i in range(1999)]
+    peak = in_child(_peak_of_a_forward, tiny("llama"), tokens)
+    estimate = memory_needed(tiny("llama"), Workload(1, len(tokens), len(tokens)))
+    assert peak <= estimate <= 2 * peak, (peak, estimate)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # llama.cpp reads soft-caps for Gemma alone: on a llama they are keys it ignores
+        pytest.param(Variant("llama", softcaps=True), id="llama with soft-cap keys"),
+        # qwen2.cpp adds output.bias whether the output is its own or the embeddings
+        pytest.param(
+            Variant("qwen2", qkv_bias=True, tied_output=True, output_bias=True),
+            id="qwen2, tied, with an output bias",
+        ),
+        # a fused attn_qkv with separate Q/K/V biases (llama-model.cpp loads and adds them)
+        pytest.param(
+            Variant("phi3", fused_qkv=True, fused_gate_up=True, qkv_bias=True),
+            id="phi3, fused QKV with separate biases",
+        ),
+    ],
+)
+def test_rarer_files_agree_with_llama_cpp(tmp_path: Path, variant: Variant) -> None:
+    path = write_tiny_model(tmp_path / "rare.gguf", variant.arch, variant=variant)
+    assert gap(path) < FLOAT32_BOUND
+    model = exact_model(path)
+    model.forward([1, 5, 9], slice(-1, None))
+    assert model.weights.unread() == []
+    ignored = ("llama.attn_logit_softcapping", "llama.final_logit_softcapping")
+    assert model.hp.unread_keys == (ignored if variant.softcaps else ())

@@ -107,6 +107,10 @@ class Variant:
     n_head_kv: int | None = None
     n_layer: int = 2
     router: bool = False  # a MoE file's expert count and router, which no entry follows
+    head_dim: int | None = None  # key_length other than n_embd / n_head (Qwen3, Gemma)
+    rope_dims: int | None = None  # partial rotary: fewer RoPE dimensions than a head's
+    rope_linear: float = 0.0  # linear RoPE scaling of the global layers (Gemma 3's 8)
+    output_bias: bool = False
 
 
 # one entry per architecture the exact engine knows (tests/test_exact.py checks that every
@@ -115,7 +119,7 @@ VARIANTS = {
     "llama": Variant("llama", n_head_kv=2),
     "llama3": Variant("llama", n_head_kv=2, rope_freqs=True),
     "qwen2": Variant("qwen2", n_head_kv=2, qkv_bias=True, tied_output=True),
-    "qwen3": Variant("qwen3", n_head_kv=2, qk_norm=True),
+    "qwen3": Variant("qwen3", n_head_kv=2, qk_norm=True, head_dim=48),
     # one KV head and windows short enough that a test's prompt crosses them; every second
     # layer global (Gemma 3's own pattern is 6: this keeps the model shallow)
     "gemma2": Variant(
@@ -131,7 +135,28 @@ VARIANTS = {
         swa_pattern=2,
         n_layer=3,
     ),
-    "phi3": Variant("phi3", fused_qkv=True, fused_gate_up=True, longrope=True, n_swa=8),
+    # Gemma 3 4B and larger: linear ×8 RoPE scaling on the global layers only (2 layers:
+    # the fp16 GELU table's boundary flips compound with depth)
+    "gemma3-4b": Variant(
+        "gemma3",
+        n_head_kv=1,
+        qk_norm=True,
+        post_norms=True,
+        tied_output=True,
+        n_swa=4,
+        swa_pattern=2,
+        rope_linear=8.0,
+    ),
+    # Phi-4-mini's partial rotary (3/4 of a head) and grouped KV heads
+    "phi3": Variant(
+        "phi3",
+        n_head_kv=2,
+        fused_qkv=True,
+        fused_gate_up=True,
+        longrope=True,
+        n_swa=8,
+        rope_dims=24,
+    ),
 }
 SOFTCAPS = (5.0, 3.0)  # attention, final
 LONGROPE_ORIGINAL_CONTEXT = 64  # shorter than the tests' context: the long factors apply
@@ -172,7 +197,7 @@ def write_tiny_model(
     writer.add_name(f"qdiff-tiny-{seed}" if arch == "llama" else f"qdiff-tiny-{arch}-{seed}")
     if licence is not None:
         writer.add_license(licence)
-    shape = Shape(n_embd, n_layer, n_head, n_head_kv, n_ff)
+    shape = Shape(n_embd, n_layer, n_head, n_head_kv, n_ff, v.head_dim, v.rope_dims)
     _hyperparameters(writer, arch, shape, n_ctx, n_swa, swa_pattern, v)
     n_vocab = _tokenizer(writer, arch)
     _tensors(writer, np.random.default_rng(seed), n_vocab, shape, v)
@@ -190,10 +215,16 @@ class Shape:
     n_head: int
     n_head_kv: int
     n_ff: int
+    key_length: int | None = None
+    rope_dims: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
+
+    @property
+    def n_rot(self) -> int:
+        return self.rope_dims or self.head_dim
 
 
 def _hyperparameters(
@@ -211,11 +242,15 @@ def _hyperparameters(
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.n_rot)
     writer.add_layer_norm_rms_eps(1e-5)
     if arch in ("gemma2", "gemma3", "qwen3"):
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if v.rope_linear:  # Gemma 3 4B and larger: linear ×8 on the global layers only
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(v.rope_linear)
+        writer.add_rope_freq_base_swa(1e4)
     if arch in ("gemma2", "gemma3", "qwen2", "qwen3"):
         writer.add_rope_freq_base(1e6)  # gemma3's local layers use 1e4, gemma2's this
     if arch == "llama" and v.rope_freqs:
@@ -273,7 +308,9 @@ def _tensors(
     writer.add_tensor("output_norm.weight", vector(s.n_embd))
     if not v.tied_output:
         writer.add_tensor("output.weight", matrix(n_vocab, s.n_embd) * 4.0)
-    half = s.head_dim // 2
+    if v.output_bias:
+        writer.add_tensor("output.bias", vector(n_vocab, 0.0, 1.0))
+    half = s.n_rot // 2
     if v.rope_freqs:  # Llama 3.1's factors run from 1 (fast pairs) to 8 (slow ones)
         writer.add_tensor("rope_freqs.weight", np.geomspace(1, 8, half).astype(np.float32))
     if v.longrope:
@@ -295,11 +332,11 @@ def _layer_tensors(
     writer.add_tensor(b + "attn_norm.weight", vector(s.n_embd, 1.0, 0.1))
     if v.fused_qkv:
         writer.add_tensor(b + "attn_qkv.weight", matrix(q_rows + 2 * kv_rows, s.n_embd))
-    else:
-        for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+    for name, rows in (("q", q_rows), ("k", kv_rows), ("v", kv_rows)):
+        if not v.fused_qkv:
             writer.add_tensor(b + f"attn_{name}.weight", matrix(rows, s.n_embd))
-            if v.qkv_bias:
-                writer.add_tensor(b + f"attn_{name}.bias", vector(rows, 0.0, 0.5))
+        if v.qkv_bias:  # a fused weight may have them too (llama-model.cpp loads them)
+            writer.add_tensor(b + f"attn_{name}.bias", vector(rows, 0.0, 0.5))
     writer.add_tensor(b + "attn_output.weight", matrix(s.n_embd, q_rows))
     writer.add_tensor(b + "ffn_norm.weight", vector(s.n_embd, 1.0, 0.1))
     if v.fused_gate_up:

@@ -30,7 +30,8 @@ class Architecture:
     query_scale: bool = False  # Q scaled before attention (Gemma, Phi-3), not the scores
     fused_gate_up: bool = False  # ffn_up holds the gate's rows, then the up rows (Phi-3)
     attn_softcap: bool = False  # scores soft-capped: c·tanh(s/c) before the softmax
-    final_softcap: float = 0.0  # llama.cpp's final logit soft-cap when the file names none
+    final_softcap: float | None = None  # the final logit soft-cap when the file names none;
+    #                                     None: the architecture reads no such key
     # sliding-window attention: the window when the file names none (0: only when it does),
     # every `swa_pattern`-th layer global, and the local layers' RoPE when the file names none
     sliding_window: bool = False
@@ -74,6 +75,7 @@ ARCHITECTURES = {
             sliding_window=True,
             swa_pattern=6,
             large_scale_layers=62,
+            final_softcap=0.0,
         ),
         # sliding_window names a window llama.cpp does not apply (phi3.cpp: "Phi SWA is
         # currently disabled"), so the engine does not either
@@ -162,12 +164,12 @@ def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) 
     )
     head_dim = key("attention.key_length", n_embd // n_head)
     scaling = key("rope.scaling.factor", 0.0) or key("rope.scale_linear", 0.0)
-    rope_scale = 1.0 / scaling if scaling else 1.0
+    trained_scale = 1.0 / scaling if scaling else 1.0
     scaling_type = key("rope.scaling.type", "linear")  # llama.cpp's default
     if scaling_type not in ROPE_SCALING_TYPES:
         raise UnsupportedArchitectureError(f"RoPE scaling {scaling_type!r} is not supported")
-    if scaling_type == "none":
-        rope_scale = 1.0  # llama.cpp: never scale if the scaling type is none
+    # llama.cpp never scales when the type is none; gemma2's local layers copy the trained one
+    rope_scale = 1.0 if scaling_type == "none" else trained_scale
     n_swa = key("attention.sliding_window", arch.default_n_swa) if arch.sliding_window else 0
     rope_base = key("rope.freq_base", 10000.0)
     large = n_layer == arch.large_scale_layers
@@ -188,14 +190,16 @@ def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) 
         rope_base=rope_base,
         rope_scale=rope_scale,
         rope_base_swa=key("rope.freq_base_swa", rope_base if arch.swa_rope_from_global else 1e4),
-        rope_scale_swa=rope_scale if arch.swa_rope_from_global else 1.0,
+        rope_scale_swa=trained_scale if arch.swa_rope_from_global else 1.0,
         rope_attn_factor=key("rope.scaling.attn_factor", 1.0),
         rope_factors=_rope_factors(tensor_names, key, n_ctx),
         n_swa=n_swa,
         swa_layers=_swa_layers(key, arch, n_layer, n_swa),
         attn_scale=1.0 / math.sqrt(n_embd / n_head if large else head_dim),
         attn_softcap=softcap,
-        softcap=key("final_logit_softcapping", arch.final_softcap),
+        softcap=0.0
+        if arch.final_softcap is None
+        else key("final_logit_softcapping", arch.final_softcap),
     )
     mine = (k for k in reader.fields if k.startswith(f"{arch.name}."))
     return dataclasses.replace(hp, unread_keys=tuple(sorted(set(mine) - read)))

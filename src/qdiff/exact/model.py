@@ -200,11 +200,11 @@ class ExactModel:
             return self.rounded(x, gelu_fp16_table)
         return gelu_tanh(x)
 
-    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x @ Wᵀ (+ the bias where the file has one, as llama.cpp's loader takes it), the
-        input rounded as the CPU rounds it for this weight's type when the ``activations``
-        switch is on."""
-        bias = name.removesuffix("weight") + "bias"
+    def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
+        """x @ Wᵀ (+ the bias where the file has one, as llama.cpp's loader takes it: the
+        weight's own ``.bias``, or ``bias``), the input rounded as the CPU rounds it for this
+        weight's type when the ``activations`` switch is on."""
+        bias = bias or name.removesuffix("weight") + "bias"
         if not self._roundings.activations:
             y = x @ self.weights[name].T
         else:
@@ -223,6 +223,9 @@ class ExactModel:
         if p + "attn_qkv.weight" in self.weights:
             fused = self.linear(x, p + "attn_qkv.weight")
             parts = np.split(fused, np.cumsum([s * hp.head_dim for s in sizes])[:-1], axis=1)
+            separate = [p + f"attn_{w}.bias" for w in "qkv"]  # a fused weight's own biases
+            if p + "attn_qkv.bias" not in self.weights and all(b in self.weights for b in separate):
+                parts = [part + self.weights[b] for part, b in zip(parts, separate, strict=True)]
         else:
             parts = [self.linear(x, p + f"attn_{w}.weight") for w in "qkv"]
         q, k, v = (part.reshape(n, s, hp.head_dim) for part, s in zip(parts, sizes, strict=True))
@@ -308,4 +311,5 @@ class ExactModel:
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The full vocabulary's logits of last-layer outputs ``x`` (rows of ``hidden``)."""
         x = rms_norm(x, self.weights["output_norm.weight"], self.hp.eps)
-        return soft_capped(self.linear(x, self.output_name), self.hp.softcap)
+        logits = self.linear(x, self.output_name, bias="output.bias")  # tied or not
+        return soft_capped(logits, self.hp.softcap)

@@ -4,6 +4,7 @@ qdiff.exact.reference SPEC OUT``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from qdiff.core.backends import CPU_VEC_DOT_TYPE
 from qdiff.core.roundings import NotEmulatedError, Roundings
-from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError
+from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError, read_hparams
 from qdiff.exact.model import ExactModel
 
 
@@ -106,8 +107,10 @@ def emulate(
 
 
 def context_of(teacher_run: dict[str, Any]) -> int:
-    """The context the teacher's run gave its sequence (it picks LongRoPE's factors)."""
-    return int(teacher_run["generation"]["n_ctx"])
+    """The context llama.cpp gave the teacher's one sequence (it picks LongRoPE's factors):
+    ``generation.n_ctx`` padded to a multiple of 256, as llama_context pads it."""
+    n_ctx = int(teacher_run["generation"]["n_ctx"])
+    return -(-n_ctx // 256) * 256
 
 
 def _peak_rss_mib() -> float:
@@ -129,39 +132,68 @@ def hparams_record(hp: Hparams) -> dict[str, Any]:
 
 
 BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
-READER_BYTES_PER_TOKEN = 2560  # gguf-py's reader holds every vocabulary entry as arrays
+READER_BYTES_PER_ENTRY = 1200  # gguf-py's reader holds each entry of a metadata array
+#   (token, score, type, merge) as arrays of its own: 912-1132 bytes of resident memory
+#   measured on Gemma 3's 786,468 entries, Qwen2.5's 455,285 and SmolLM2's 147,237
+DEQUANTIZING = 9  # bytes per value above the float64 kept, while a tensor is dequantized:
+#   its peak was 16.2-17.1 bytes per value above the process's memory before it (Q8_0, Q5_0)
 
 
-def memory_needed(model: Path, logit_rows: int, layer_by_layer: bool = False) -> int:
-    """Bytes ``reference`` or ``emulate`` needs for ``model`` when it holds ``logit_rows``
-    rows of full-vocabulary logits, read off the file's tensor shapes before anything is
-    loaded: every weight in float64 (they are kept; ``layer_by_layer``, those outside the
-    layers and the largest layer's), the float32 copy of the largest one while it is
-    converted, those logits, the GGUF reader (which parses the whole vocabulary: about 2.5
-    KiB a token, measured on Gemma 3's 262,144) and a base. tests/test_gemma.py checks it
-    against the peak resident memory of the default experiment's models: never below, and
-    within 1.5x."""
+@dataclass(frozen=True)
+class Workload:
+    """What the engine holds beside its weights: rows of full-vocabulary logits, and the
+    sequences it takes through the layers (the longest, and all of their tokens)."""
+
+    logit_rows: int
+    longest: int = 0
+    tokens: int = 0
+
+
+def memory_needed(model: Path, work: Workload, layer_by_layer: bool = False) -> int:
+    """Bytes ``reference`` or ``emulate`` needs for ``model`` and ``work``, read off the file
+    before anything is loaded: every weight in float64 (they are kept; ``layer_by_layer``,
+    those outside the layers and the largest layer's), what dequantizing the largest one
+    read after the embeddings takes beside its float64 copy, the file's pages the reader maps, its parsed metadata, the
+    logits, one layer's activations for the longest sequence (three arrays of scores per
+    head: two were measured at the peak; K and V per head; the feed-forward's products)
+    and every sequence's hidden state, and a base. tests/test_gemma.py checks it against
+    the peak resident memory of the default experiment's models: never below, and within
+    1.5x; tests/test_exact.py against a long sequence's."""
     import gguf
 
     reader = gguf.GGUFReader(model)
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
+    entries = sum(len(f.data) for f in reader.fields.values())
     vocab = reader.fields.get("tokenizer.ggml.tokens")
-    n_vocab = len(vocab.data) if vocab is not None else 0
-    logits = 8 * n_vocab * logit_rows
-    reader_bytes = READER_BYTES_PER_TOKEN * n_vocab
-    largest = 4 * max(sizes.values(), default=0)
+    logits = 8 * (len(vocab.data) if vocab is not None else 0) * work.logit_rows
+    # the embeddings are dequantized first, while nothing else is held; later, the output
+    # (last, when it is not the embeddings) or a layer's largest weight on top of the rest
+    later = [v for k, v in sizes.items() if k.startswith("blk.") or k == "output.weight"]
+    fixed = DEQUANTIZING * max(later, default=0) + logits + BASE_MEMORY
+    fixed += READER_BYTES_PER_ENTRY * entries + model.stat().st_size
+    fixed += _activations(reader, sizes, work)
     if not layer_by_layer:
-        return 8 * sum(sizes.values()) + largest + logits + reader_bytes + BASE_MEMORY
+        return 8 * sum(sizes.values()) + fixed
     layers: dict[str, int] = {}
-    outside = 0
     for name, size in sizes.items():
         if name.startswith("blk."):
             layer = name.split(".")[1]
             layers[layer] = layers.get(layer, 0) + size
-        else:
-            outside += size
-    held = outside + max(layers.values(), default=0)
-    return 8 * held + largest + logits + reader_bytes + BASE_MEMORY
+    outside = sum(sizes.values()) - sum(layers.values())
+    return 8 * (outside + max(layers.values(), default=0)) + fixed
+
+
+def _activations(reader: Any, sizes: dict[str, int], work: Workload) -> int:
+    """Bytes of one layer's float64 activations for the longest sequence, and every
+    sequence's hidden state (0 for an architecture the engine does not have)."""
+    try:
+        hp = read_hparams(reader, set(sizes))
+    except UnsupportedArchitectureError:
+        return 0
+    n, heads = work.longest, hp.n_head
+    n_ff = sizes.get("blk.0.ffn_down.weight", 0) // hp.n_embd
+    per_layer = 8 * n * (3 * heads * n + 2 * heads * hp.head_dim + 3 * n_ff)
+    return per_layer + 8 * 2 * work.tokens * hp.n_embd
 
 
 ERROR_FILE = "error.json"  # a handled failure, written by the child

@@ -14,7 +14,7 @@ from typing import Any
 
 from qdiff.core.io import read_json, write_json
 from qdiff.core.records import failure_text
-from qdiff.exact.reference import ERROR_FILE, UNSUPPORTED, memory_needed
+from qdiff.exact.reference import ERROR_FILE, UNSUPPORTED, Workload, memory_needed
 from qdiff.jobs import StageError, available_memory, child_outcome, spawn
 
 GIB = 2**30
@@ -32,13 +32,17 @@ class ExactInputs:
     # None for the exact reference itself
     configs: dict[str, dict[str, Any]] | None = None
 
-    def logit_rows(self) -> int:
-        """How many rows of full-vocabulary logits the child holds at its peak."""
+    def workload(self) -> Workload:
+        """The rows of full-vocabulary logits the child holds at its peak, and the
+        sequences it takes through the layers."""
         prompts = self.run["prompts"]
-        lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in prompts]
-        if self.configs is not None:  # the first step per prompt and set, one forward's rows
-            return len(self.configs) * len(prompts) + max(lengths, default=0)
-        return 2 * len(prompts) + max(lengths, default=0)
+        if self.configs is not None:  # the prompts alone; the first step per prompt and set
+            lengths = [len(p["prompt_tokens"]) for p in prompts]
+            rows = len(self.configs) * len(prompts) + 1
+        else:  # the prompts and their forced text; two rows per prompt and one text's
+            lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in prompts]
+            rows = 2 * len(prompts) + max(lengths, default=0)
+        return Workload(rows, max(lengths, default=0), sum(lengths))
 
 
 def exact_stage(
@@ -101,8 +105,8 @@ def _memory_plan(inputs: ExactInputs, max_memory_gib: float | None) -> tuple[int
     limit, what = (
         (max_memory_gib * GIB, "exact.max_memory_gib") if max_memory_gib else available_memory()
     )
-    rows = inputs.logit_rows()
-    kept, by_layer = (memory_needed(inputs.model, rows, stream) for stream in (False, True))
+    work = inputs.workload()
+    kept, by_layer = (memory_needed(inputs.model, work, stream) for stream in (False, True))
     if kept <= limit:
         return kept, False
     if by_layer <= limit:
