@@ -190,17 +190,18 @@ def test_the_emulations_killed_cost_only_the_error_budget(
 def test_an_exact_stage_beyond_the_cgroups_memory_runs_layer_by_layer_within_it(
     workspace: Workspace, tmp_path: Path
 ) -> None:
-    """The workflow in a real cgroup with a 700 MB memory limit: the float64 engine's
-    estimate for a 68 M-parameter model with every weight kept (about 0.8 GiB) is more than
-    the cgroup leaves, so it holds one layer's weights at a time (about 0.4 GiB), says so
-    in its log before it starts, and stays within the limit instead of being killed."""
+    """The workflow in a real cgroup with a 900 MB memory limit: the float64 engine's
+    estimate for a 68 M-parameter model with every weight kept (about 0.87 GiB) is more
+    than the cgroup leaves beside Snakemake, so it holds one layer's weights at a time
+    (about 0.49 GiB), says so in its log before it starts, and stays within the limit
+    instead of being killed."""
     needs_root("a cgroup with a memory limit")
     assert CGROUP_MEMORY.is_dir(), "no cgroup v1 memory controller at /sys/fs/cgroup/memory"
     workspace.write_config(exact_only(bigger_llama(tmp_path, "q8_0")))
     group = CGROUP_MEMORY / f"qdiff-test-{os.getpid()}"
     group.mkdir()
     try:
-        (group / "memory.limit_in_bytes").write_text(str(700 * 2**20))
+        (group / "memory.limit_in_bytes").write_text(str(900 * 2**20))
         proc = subprocess.run(
             [*workspace.command(), "--cores", "1"],
             cwd=REPO,
@@ -214,7 +215,7 @@ def test_an_exact_stage_beyond_the_cgroups_memory_runs_layer_by_layer_within_it(
     assert proc.returncode == 0, proc.stderr[-3000:]
     exact = record(workspace, "results/exact/tiny/record.json")
     assert exact["status"] == "ok" and exact["layer_by_layer"], exact
-    assert exact["peak_rss_mib"] <= exact["memory_estimate_mib"] < 700, exact
+    assert exact["peak_rss_mib"] <= exact["memory_estimate_mib"] < 900, exact
     log = (workspace.root / "results/logs/exact/tiny.log").read_text()
     assert re.search(r"needs about 0\.\d\d GiB \(one layer's weights at a time\)", log), log
 

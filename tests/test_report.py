@@ -308,6 +308,22 @@ def test_two_farthest_combinations_the_prompts_cannot_tell_apart_are_both_named(
     )
 
 
+def test_when_no_combination_is_nearer_than_another_none_is_named_closest() -> None:
+    """Two combinations the prompts cannot tell apart: neither is "closest" (nor one both
+    closest and farthest, as the qwen2 1.5B run's report once said)."""
+    view = ModelView("m", {"run": []}, [pair("cpu.none", "cpu-fa.none", 0.5)])
+    view.exact = {
+        "status": "ok",
+        "rows": [
+            exact_row("cpu.none", [1.0, 1.3, 0.9, 1.2]),
+            exact_row("cpu-fa.none", [1.2, 1.0, 1.1, 1.0]),
+        ],
+    }
+    text = overview.found([view])
+    assert "closest" not in text and "farthest" not in text, text
+    assert "all 2 combinations are as far from the exact answer as each other on these" in text
+
+
 def test_what_the_exact_engine_did_not_read_is_named_and_escaped() -> None:
     from qdiff.report.sections.distance import left_out
 

@@ -75,11 +75,7 @@ def _found(view: ModelView) -> str:
     if exact.get("status") == "ok" and len(rows) > 1:
         near, far = rows[0], rows[-1]
         if all(r["first_step"].get("max_abs_by_prompt") for r in rows):
-            said += (
-                f"; {code(near['combination'])} is closest to the exact answer "
-                f"({_nearest(near, rows[1])}), {_farthest(rows[-2], far)} (first-step max "
-                "|Δ|, geometric mean over prompts)"
-            )
+            said += "; " + _closest_and_farthest(rows)
         else:  # distances made by an older qdiff: worst prompts only, no ranking claimed
             said += (
                 f"; {code(near['combination'])} has the smallest worst-prompt distance from "
@@ -118,6 +114,27 @@ def _most_different(pairs: list[dict[str, Any]]) -> str:
             f"{r['ratio']:.3g}"
         ) + f", {LEVEL:.0%} interval {r['low']:.3g}–{r['high']:.3g}"
     return said + ")"
+
+
+def _closest_and_farthest(rows: list[dict[str, Any]]) -> str:
+    """Which combination is closest to exact and which farthest, over the prompts; when
+    even the closest and the farthest cannot be told apart, that, and no names."""
+    near, far = rows[0], rows[-1]
+    r = paired_ratio(
+        near["first_step"]["max_abs_by_prompt"], far["first_step"]["max_abs_by_prompt"]
+    )
+    how = "(first-step max |Δ|, geometric mean over prompts)"
+    if r["verdict"] != "farther":
+        return (
+            f"all {len(rows)} combinations are as far from the exact answer as each other on "
+            f"these prompts ({num(typical(near))} to {num(typical(far))}; the largest over the "
+            f"smallest, ratio {r['ratio']:.3g}, {LEVEL:.0%} interval {r['low']:.3g}–"
+            f"{r['high']:.3g}) {how}"
+        )
+    return (
+        f"{code(near['combination'])} is closest to the exact answer "
+        f"({_nearest(near, rows[1])}), {_farthest(rows[-2], far)} {how}"
+    )
 
 
 def _farthest(second: dict[str, Any], far: dict[str, Any]) -> str:
