@@ -4,6 +4,7 @@ quick start, exactly as written, in a checkout set up as ./setup leaves it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -95,6 +96,21 @@ def test_the_exact_stages_memory_estimate_covers_its_peak(default_run: Workspace
             record = json.loads((default_run.root / f"results/exact/{model}/{name}").read_text())
             estimate, peak = record["memory_estimate_mib"], record["peak_rss_mib"]
             assert peak <= estimate <= 1.5 * peak, (model, name, estimate, peak)
+
+
+def test_the_free_running_generations_on_the_real_models(default_run: Workspace) -> None:
+    """Every run records the chosen token's probability at every step, and the report
+    compares each model's generations over its four combinations."""
+    for path in (default_run.root / "results/runs").glob("*/*/*/record.json"):
+        prompts = json.loads(path.read_text())["prompts"]
+        assert all(len(p["top1_probs"]) == len(p["tokens"]) for p in prompts), path
+        assert all(0 < x <= 1 for p in prompts for x in p["top1_probs"]), path
+    summary = (default_run.root / "results/summary.md").read_text()
+    for model in MODELS:
+        section = summary.split(f"## Model `{model}`")[1].split("\n## Model ")[0]
+        generated = section.split("### Free-running generations")[1].split("\n### ")[0]
+        assert re.search(r"Over 1[0-2] prompts and 4 combinations: \d+ of", generated)
+        assert re.search(r"Avg_Std@top1_prob \d", generated), generated[:2000]
 
 
 def test_every_default_combination_has_an_error_budget(default_run: Workspace) -> None:

@@ -133,6 +133,7 @@ def test_report_has_every_section(finished: Workspace) -> None:
         "### Runs",
         "### Diagnosis",
         "### Pairwise differences, largest first",
+        "### Free-running generations",
         "### Teacher-forced comparison",
         "### Where the pairs part: op by op",
         "### Distance from the reference",
@@ -162,7 +163,7 @@ def test_report_has_every_section(finished: Workspace) -> None:
     assert len(pairs) == 1 + 12 * 2  # header + 12 pairs x 2 prompts
     # largest difference first in each model's pair table
     section = text.split("## Model `tiny.requant-q8_0`")[1]
-    section = section.split("### Pairwise differences")[1].split("### Teacher-forced")[0]
+    section = section.split("### Pairwise differences")[1].split("### Free-running")[0]
     values = [float(line.split("|")[4]) for line in section.splitlines() if line.startswith("| `")]
     assert values == sorted(values, reverse=True)
 

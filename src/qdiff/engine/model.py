@@ -97,6 +97,13 @@ class Generation:
     prompt_seconds: float
     decode_seconds: list[float]  # one per decode step after the prompt
     stopped_at_eog: bool
+    top1_probs: list[float]  # per step, the softmax probability of the token chosen
+
+
+def top1_probability(logits: np.ndarray) -> float:
+    """The softmax probability of the most likely token, in float64 (1 / Σ exp(l - max))."""
+    x = np.asarray(logits, dtype=np.float64)
+    return float(1.0 / np.exp(x - x.max()).sum())
 
 
 class LoadedModel:
@@ -266,9 +273,11 @@ class LoadedModel:
         first_logits, prompt_seconds = self.prefill(prompt_tokens)
 
         logits, tokens, decode_seconds, stopped = first_logits, [], [], False
+        top1_probs: list[float] = []
         while True:
             token = int(np.argmax(logits))
             tokens.append(token)
+            top1_probs.append(top1_probability(logits))
             if llama_cpp.llama_vocab_is_eog(self._vocab, token):
                 stopped = True
                 break
@@ -286,6 +295,7 @@ class LoadedModel:
             prompt_seconds=prompt_seconds,
             decode_seconds=decode_seconds,
             stopped_at_eog=stopped,
+            top1_probs=top1_probs,
         )
 
     def force(

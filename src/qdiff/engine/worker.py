@@ -117,6 +117,7 @@ def _prompt_record(prompt: dict[str, Any], gen: Generation) -> dict[str, Any]:
         "tokens": gen.tokens,
         "text": gen.text,
         "stopped_at_eog": gen.stopped_at_eog,
+        "top1_probs": gen.top1_probs,
         # bit-identity of the first step without its logits (first_step_logits: top_k), and
         # the forced pass's self-check
         "first_logits_digest": digest(gen.first_logits),

@@ -25,7 +25,7 @@ from qdiff.jobs import child_preexec
 from qdiff.judge.diagnosis import plural
 from qdiff.report.fmt import code, text
 from qdiff.report.html import markdown_to_html
-from qdiff.report.sections import diagnosis, distance, overview, pairs, plots, runs
+from qdiff.report.sections import diagnosis, distance, generations, overview, pairs, plots, runs
 from qdiff.report.tables import pairs_frame, runs_frame
 from qdiff.report.view import ModelView, Results, split_by_model
 
@@ -51,6 +51,7 @@ MODEL_SECTIONS: list[tuple[str, Section]] = [
     ("Runs", runs.runs),
     ("Diagnosis", diagnosis.diagnosis),
     ("Pairwise differences, largest first", pairs.pairs_table),
+    ("Free-running generations", generations.generations),
     *_stage_sections(),
     ("Distance from the exact answer", distance.exact_distance),
     ("Error budget", distance.error_budget),

@@ -1,0 +1,122 @@
+"""Free-running generations compared as Yuan et al. 2025 compare them
+(qdiff.compare.generations; the report's "Free-running generations"): pure logic on
+hand-made generations whose answers are known."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from qdiff.compare.generations import (
+    Generated,
+    common_prefix,
+    divergence_index,
+    model_stats,
+    prompt_stats,
+)
+from qdiff.report.sections.generations import generations
+from qdiff.report.view import ModelView
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "index"),
+    [
+        ([1, 2, 3], [1, 2, 3], None),  # the same text
+        ([1, 2, 3], [1, 5, 3], 1),  # parts at the second token, whatever follows
+        ([1, 2, 3], [1, 2], 2),  # one ends (end of generation) where the other goes on
+        ([], [4], 0),
+        ([7], [8], 0),
+    ],
+)
+def test_the_divergence_index_is_the_first_position_that_differs(
+    a: list[int], b: list[int], index: int | None
+) -> None:
+    assert divergence_index(a, b) == divergence_index(b, a) == index
+
+
+def gen(tokens: list[int], probs: list[float] | None = None) -> Generated:
+    return Generated(tokens, probs if probs is not None else [0.5] * len(tokens))
+
+
+def test_a_prompts_statistics_over_its_combinations() -> None:
+    """Three combinations: two agree on 4 tokens, the third parts at position 2 and ends
+    sooner. The shared prefix is 2 positions; the chosen tokens' probabilities there
+    differ by 0.3 at position 0 (std of 0.5, 0.5, 0.8: 0.1414) and not at position 1."""
+    gens = [
+        gen([1, 2, 3, 4], [0.5, 0.9, 0.4, 0.4]),
+        gen([1, 2, 3, 4], [0.5, 0.9, 0.1, 0.2]),
+        gen([1, 2, 9], [0.8, 0.9, 0.3]),
+    ]
+    assert common_prefix(gens) == 2
+    s = prompt_stats(gens)
+    assert s["unique_texts"] == 2 and s["common_prefix"] == 2
+    assert s["length_std"] == pytest.approx(0.4714, abs=1e-4)  # lengths 4, 4, 3
+    assert s["std_top1_prob"] == pytest.approx(0.1414 / 2, abs=1e-4)  # averaged over 2
+
+
+def test_runs_without_probabilities_report_none_rather_than_zero() -> None:
+    s = prompt_stats([Generated([1, 2], None), Generated([1, 2], None)])
+    assert s["std_top1_prob"] is None and s["unique_texts"] == 1 and s["length_std"] == 0
+
+
+def test_pairs_count_prompts_that_diverge_with_an_interval() -> None:
+    """Over 10 prompts, `cpu` and `cuda` diverge on 3 (at 5, 2 and 9); `cpu` and `cpu-fa`
+    on none: its interval still allows up to about 28% (Wilson, 0 of 10)."""
+    same = {f"p{i}": gen([i, i + 1, i + 2] * 4) for i in range(10)}
+    other = dict(same)
+    for pid, at in (("p1", 5), ("p4", 2), ("p7", 9)):
+        tokens = list(same[pid].tokens)
+        tokens[at] = 999
+        other[pid] = gen(tokens)
+    s = model_stats({"cpu": same, "cpu-fa": dict(same), "cuda": other})
+    by_pair = s["pairs"]
+    assert by_pair[("cpu", "cuda")]["diverged"] == 3
+    assert by_pair[("cpu", "cuda")]["indices"] == [2, 5, 9]
+    assert by_pair[("cpu", "cuda")]["median_index"] == 5
+    none = by_pair[("cpu", "cpu-fa")]
+    assert none["diverged"] == 0 and none["median_index"] is None
+    assert none["share_low"] == 0 and 0.25 < none["share_high"] < 0.3
+    assert s["prompts_with_one_text"] == 7 and s["n_prompts"] == 10
+
+
+def run(device: str, outputs: dict[str, list[int]], eog: bool = False) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "device": device,
+        "dequant": "none",
+        "status": "ok",
+        "settings": {"backend": "cpu"},
+        "generation": {"n_tokens": 4},
+        "prompts": [
+            {"id": pid, "tokens": t, "top1_probs": [0.5] * len(t), "stopped_at_eog": eog}
+            for pid, t in outputs.items()
+        ],
+    }
+
+
+def test_the_report_section_names_the_pairs_that_diverge_first() -> None:
+    view = ModelView(
+        "m",
+        {
+            "run": [
+                run("cpu", {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}),
+                run("cpu-fa", {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}),
+                run("cuda", {"a": [1, 9, 3, 4], "b": [5, 6, 2]}, eog=True),
+            ]
+        },
+        [],
+    )
+    text = generations(view)
+    assert "Over 2 prompts and 3 combinations: 0 of 2 prompts gave one text everywhere" in text
+    assert "at most 4 tokens each, 2 of 6 generations ended before" in text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert re.match(r"\| `cpu.none` vs `cuda.none`\s*\| 2/2", rows[0])  # diverged most: first
+    assert "| 1, 2 " in rows[0]  # at 1 on prompt a, at 2 on b (cuda's ends)
+    assert re.search(r"\| `cpu.none` vs `cpu-fa.none`\s*\| 0/2 .*\| none", text)
+
+
+def test_fewer_than_two_combinations_compare_nothing() -> None:
+    view = ModelView("m", {"run": [run("cpu", {"a": [1]})]}, [])
+    assert generations(view) == "_Fewer than two combinations generated: nothing to compare._"
