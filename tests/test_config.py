@@ -62,6 +62,15 @@ def test_the_writeup_config_is_valid_and_expands() -> None:
     assert exp.prompts[0].text == "What is Rust?"
 
 
+def test_the_long_generations_config_is_the_default_with_longer_texts() -> None:
+    long = load_experiment(yaml.safe_load((REPO / "config/long.yaml").read_text()), base_dir=REPO)
+    default = load_experiment(
+        yaml.safe_load((REPO / "config/config.yaml").read_text()), base_dir=REPO
+    )
+    assert long.generation["n_tokens"] == 256 and long.run_models == default.run_models
+    assert long.all_combinations() == default.all_combinations()
+
+
 def test_defaults_are_filled_in() -> None:
     exp = load_experiment(GOOD)
     cpu = exp.devices["cpu"]
