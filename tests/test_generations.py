@@ -56,6 +56,25 @@ def test_a_prompts_statistics_over_its_combinations() -> None:
     assert s["std_top1_prob"] == pytest.approx(0.1414 / 2, abs=1e-4)  # averaged over 2
 
 
+def test_a_prompt_whose_first_tokens_differ_leaves_the_average_to_the_others() -> None:
+    """Std@top1_prob needs a shared prefix: a prompt whose first token differs has none, and
+    the mean is over the prompts that have one (the default experiment's case)."""
+    runs = {
+        "cpu": {"a": gen([1, 2], [0.5, 0.5]), "b": gen([3], [0.9])},
+        "cpu-fa": {"a": gen([1, 2], [0.7, 0.5]), "b": gen([4], [0.8])},
+    }
+    s = model_stats(runs)
+    assert s["per_prompt"]["b"]["std_top1_prob"] is None
+    assert s["avg_std_top1_prob"] == pytest.approx(0.05) and s["n_prompts_top1"] == 1
+    view = ModelView(
+        "m",
+        {"run": [run("cpu", {"a": [1, 2], "b": [3]}), run("cpu-fa", {"a": [1, 2], "b": [4]})]},
+        [],
+    )
+    line = "Avg_Std@top1_prob 0 (over 1 of 2 prompts: those whose texts share a prefix)"
+    assert line in generations(view)  # both runs' probabilities are 0.5: std 0
+
+
 def test_runs_without_probabilities_report_none_rather_than_zero() -> None:
     s = prompt_stats([Generated([1, 2], None), Generated([1, 2], None)])
     assert s["std_top1_prob"] is None and s["unique_texts"] == 1 and s["length_std"] == 0

@@ -94,13 +94,18 @@ def model_stats(runs: dict[str, dict[str, Generated]]) -> dict[str, Any]:
     labels = list(runs)
     prompts = [pid for pid in next(iter(runs.values()), {}) if all(pid in runs[c] for c in labels)]
     per_prompt = {pid: prompt_stats([runs[c][pid] for c in labels]) for pid in prompts}
+    # over the prompts whose generations share a prefix (a first token that differs leaves
+    # none), and only where every run recorded its probabilities
     tops = [s["std_top1_prob"] for s in per_prompt.values() if s["std_top1_prob"] is not None]
+    recorded = all(runs[c][pid].top1_probs is not None for c in labels for pid in prompts)
     return {
         "combinations": labels,
         "n_prompts": len(prompts),
         "per_prompt": per_prompt,
         "avg_std_output_length": _mean([s["length_std"] for s in per_prompt.values()]),
-        "avg_std_top1_prob": _mean(tops) if len(tops) == len(prompts) else None,
+        "top1_recorded": recorded,
+        "avg_std_top1_prob": _mean(tops) if recorded else None,
+        "n_prompts_top1": len(tops) if recorded else 0,
         "prompts_with_one_text": sum(s["unique_texts"] == 1 for s in per_prompt.values()),
         "pairs": {
             (x, y): pair_stats(runs[x], runs[y])

@@ -29,13 +29,10 @@ def generations(view: ModelView) -> str:
         return "_Fewer than two combinations generated: nothing to compare._"
     s = model_stats(runs)
     n = s["n_prompts"]
-    top1 = s["avg_std_top1_prob"]
     head = (
         f"Over {n} prompts and {len(runs)} combinations: {s['prompts_with_one_text']} of {n} "
         f"prompts gave one text everywhere; Avg_Std@Output_Length {num(s['avg_std_output_length'])} "
-        "tokens; Avg_Std@top1_prob "
-        + (num(top1) if top1 is not None else "not recorded (runs made by an older qdiff)")
-        + f"; {_lengths(view)}."
+        f"tokens; Avg_Std@top1_prob {_top1(s)}; {_lengths(view)}."
     )
     rows = [_pair_row(a, b, p) for (a, b), p in s["pairs"].items()]
     rows.sort(key=lambda row: -row["_diverged"])
@@ -65,6 +62,17 @@ def _pair_row(a: str, b: str, p: dict[str, Any]) -> dict[str, Any]:
         "divergence index, median": num(p["median_index"]) if indices else "–",
         "divergence indices": ", ".join(map(str, indices)) or "none",
     }
+
+
+def _top1(s: dict[str, Any]) -> str:
+    if not s["top1_recorded"]:
+        return "not recorded (runs made by an older qdiff)"
+    if s["avg_std_top1_prob"] is None:
+        return "none (no prompt's generations share a first token)"
+    k, n = s["n_prompts_top1"], s["n_prompts"]
+    return (
+        f"{num(s['avg_std_top1_prob'])} (over {k} of {n} prompts: those whose texts share a prefix)"
+    )
 
 
 def _lengths(view: ModelView) -> str:
