@@ -7,6 +7,7 @@ has to be fetched.
 
 from __future__ import annotations
 
+import dataclasses
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +114,17 @@ class Variant:
     output_bias: bool = False
 
 
+GEMMA3 = Variant(
+    "gemma3",
+    n_head_kv=1,
+    qk_norm=True,
+    post_norms=True,
+    tied_output=True,
+    n_swa=4,
+    swa_pattern=2,
+    n_layer=3,
+)
+
 # one entry per architecture the exact engine knows (tests/test_exact.py checks that every
 # entry of qdiff.exact.ARCHITECTURES has one), and llama 3 for its RoPE factors
 VARIANTS = {
@@ -125,28 +137,10 @@ VARIANTS = {
     "gemma2": Variant(
         "gemma2", n_head_kv=1, post_norms=True, tied_output=True, softcaps=True, n_swa=4
     ),
-    "gemma3": Variant(
-        "gemma3",
-        n_head_kv=1,
-        qk_norm=True,
-        post_norms=True,
-        tied_output=True,
-        n_swa=4,
-        swa_pattern=2,
-        n_layer=3,
-    ),
+    "gemma3": GEMMA3,
     # Gemma 3 4B and larger: linear ×8 RoPE scaling on the global layers only (2 layers:
     # the fp16 GELU table's boundary flips compound with depth)
-    "gemma3-4b": Variant(
-        "gemma3",
-        n_head_kv=1,
-        qk_norm=True,
-        post_norms=True,
-        tied_output=True,
-        n_swa=4,
-        swa_pattern=2,
-        rope_linear=8.0,
-    ),
+    "gemma3-4b": dataclasses.replace(GEMMA3, n_layer=2, rope_linear=8.0),
     # Phi-4-mini's partial rotary (3/4 of a head) and grouped KV heads
     "phi3": Variant(
         "phi3",
