@@ -15,10 +15,13 @@ It runs, in a scratch directory (``--workdir``, default a temporary one):
    no child processes), alternately; each pipeline is also set against the inference its own
    run records give, which splits the ratio into what the pipeline adds around its inference
    and how that inference compares with the floor;
-3. comparison throughput: ``qdiff.compare.pairs.compare_model`` on one thread, reading the arrays
+3. the text stage (when the experiment scores a text): its scoring time against the same
+   windows decoded in a bare loop (``LoadedModel.score``, no recording; target at most 1.2x),
+   and the float64 engine along the text against the f32 copy's scoring (target at most 3x);
+4. comparison throughput: ``qdiff.compare.pairs.compare_model`` on one thread, reading the arrays
    from disk, on synthetic logits of Gemma 3's 262,144-token vocabulary and on the
    experiment's own largest-vocabulary model;
-4. planning: ``snakemake --dry-run --quiet rules`` of a generated matrix (tiny real GGUF
+5. planning: ``snakemake --dry-run --quiet rules`` of a generated matrix (tiny real GGUF
    models; default 10 models x 10 devices x 3 dequant x 30 prompts).
 
 It prints each figure beside its target (issue 15's) and says whether it meets it. The
@@ -154,6 +157,83 @@ def inference_floor(workdir: Path) -> float:
     return total
 
 
+def text_floor(workdir: Path) -> float:
+    """Seconds of the experiment's text windows decoded in one bare loop, logits fetched and
+    nothing recorded: per combination, load, tokenize, then ``LoadedModel.score`` each window,
+    as the text stage does (only the scoring is timed, as its records time theirs)."""
+    os.chdir(workdir)
+    from qdiff.core.config import model_file, validate
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.core.stages import TEXT
+    from qdiff.core.text import split, windows
+    from qdiff.engine.log import init_backend
+    from qdiff.engine.model import LoadedModel
+
+    experiment, _ = validate(yaml.safe_load(Path("config/config.yaml").read_text()), Path.cwd())
+    log = init_backend(workdir / "text-floor-errors.txt")
+    total = 0.0
+    for combo in experiment.all_combinations():
+        spec = experiment.spec(TEXT, combo)
+        settings = DeviceSettings.from_config(spec["settings"])
+        text = Path(spec["text"]["file"]).read_text()
+        path = Path(model_file(combo.model, combo.dequant))
+        with LoadedModel(path, settings, spec["text"]["n_ctx"]) as loaded:
+            tokens = loaded.tokenize(text, parse_special=False)
+            cut = windows(
+                tokens, spec["text"]["n_ctx"], spec["text"]["windows"], loaded.bos_added()
+            )
+            start = time.perf_counter()
+            for window in cut:
+                loaded.score(window, len(split(window)[0]) - 1)
+            total += time.perf_counter() - start
+    del log
+    return total
+
+
+def text_stage(workdir: Path) -> None:
+    """The text stage's scoring against the bare loop, and the exact engine along the text
+    against the f32 copies' scoring (each model's exact job over its f32 combinations' mean)."""
+    from qdiff.core.stages import TEXT
+
+    records = [json.loads(p.read_text()) for p in (workdir / TEXT.folder).rglob("record.json")]
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok:
+        print("  text stage: no ok text record (is text enabled in the config?)")
+        return
+    scoring = sum(r["timings"]["seconds"] for r in ok)
+    floor = float(child("_text_floor", str(workdir))[0])
+    wall = sum(r["timings"]["stage_wall_s"] for r in ok)
+    line(
+        "text stage / bare scoring",
+        scoring / floor,
+        "x",
+        1.20,
+        "lower",
+        f"{len(ok)} jobs: {scoring:.1f} s scoring in the jobs (whole jobs {wall:.1f} s), "
+        f"{floor:.1f} s in a bare loop",
+    )
+    exact = f32 = 0.0
+    for path in (workdir / "results/exact").glob("*/text.json"):
+        record = json.loads(path.read_text())
+        own = [
+            r["timings"]["seconds"]
+            for r in ok
+            if r["model"] == path.parent.name and r["dequant"] == "f32"
+        ]
+        if record["status"] == "ok" and own:
+            exact += record["timings"]["forward_s"]
+            f32 += sum(own) / len(own)
+    if f32:
+        line(
+            "exact text / f32 text",
+            exact / f32,
+            "x",
+            3.0,
+            "lower",
+            f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of f32 scoring",
+        )
+
+
 def child(*args: str, env: dict[str, str] | None = None) -> list[str]:
     """The last line of this script run with ``args`` in a fresh process, split."""
     proc = subprocess.run(
@@ -280,6 +360,10 @@ def pipeline(args: argparse.Namespace, workdir: Path) -> None:
     config = experiment_config(args.config)
     full = workdir / "experiment"
     write_config(full, config)
+    texts = full / "resources/texts"  # the default text, which ./setup fetches
+    if not texts.exists():
+        texts.parent.mkdir(parents=True, exist_ok=True)
+        texts.symlink_to(REPO / "resources/texts")
     print(f"experiment: {args.config} in {full}", flush=True)
     first, out = snakemake(full, args.cores)
     counts = job_counts(out)
@@ -293,6 +377,7 @@ def pipeline(args: argparse.Namespace, workdir: Path) -> None:
     )
 
     serving_overhead(full)
+    text_stage(full)
 
     runs = workdir / "runs-only"
     shutil.copytree(full / "resources", runs / "resources", copy_function=os.link)
@@ -488,6 +573,9 @@ def executor_plugins() -> str:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_floor":
         print(inference_floor(Path(sys.argv[2])))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_text_floor":
+        print(text_floor(Path(sys.argv[2])))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_compare":
         n, seconds = throughput(json.loads(sys.argv[2]), sys.argv[3])

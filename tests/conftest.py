@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -141,6 +142,53 @@ def tiny_config(model_path: Path, **overrides: Any) -> dict[str, Any]:
     return config
 
 
+TINY_TEXT = " ".join(
+    [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "wizards",
+        "quietly",
+        "box",
+        "a",
+        "jovial",
+        "sphinx",
+        "of",
+        "black",
+        "quartz",
+        "and",
+        "judge",
+        "my",
+        "vow",
+    ]
+    * 6
+)
+
+
+def tiny_text(root: Path, **overrides: Any) -> dict[str, Any]:
+    """A short text written in the workspace ``root`` and the ``text`` config that scores
+    it: 3 windows of 32 tokens, 64 logits kept per position."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "text.txt").write_text(TINY_TEXT)
+    return {
+        "enabled": True,
+        "file": "text.txt",
+        "sha256": hashlib.sha256(TINY_TEXT.encode()).hexdigest(),
+        "n_ctx": 32,
+        "windows": 3,
+        "top_k": 64,
+        **overrides,
+    }
+
+
 def in_child(function: Callable[..., T], *args: Any) -> T:
     """``function(*args)`` in a fresh Python process, its result pickled back: a crash of
     llama.cpp's native code there fails one test, never the whole test session. The function
@@ -177,6 +225,7 @@ def workspace(tmp_path: Path) -> Workspace:
 
 SETUP = "./setup && "  # what CI (.ci/run) and the user have run before any other command
 CLONE_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
+TEXTS = "resources/texts"  # the default text, which ./setup fetches
 
 
 def readme_commands() -> list[str]:
@@ -193,8 +242,8 @@ def readme_commands() -> list[str]:
 
 @dataclass
 class Clone:
-    """A checkout as a user has it after ``./setup``: the workflow's files, a copy, and the
-    set-up's ``.venv`` (a link to this one). ``shell`` runs a command exactly as written,
+    """A checkout as a user has it after ``./setup``: the workflow's files, a copy, and what
+    the set-up made: ``.venv`` and the default text (links to this checkout's). ``shell`` runs a command exactly as written,
     in the environment ``. .venv/bin/activate`` gives (the README's first command leaves
     the user's shell so)."""
 
@@ -210,6 +259,8 @@ class Clone:
             else:
                 shutil.copy2(source, root / name)
         (root / ".venv").symlink_to(REPO / ".venv")
+        (root / TEXTS).parent.mkdir()
+        (root / TEXTS).symlink_to(REPO / TEXTS)
         return cls(root)
 
     def shell(self, command: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ import yaml
 
 from conftest import REPO, Workspace, tiny_config
 from qdiff.core.config import ConfigError, check_config_files, load_experiment
-from qdiff.core.stages import CAPTURE, FORCED, RUN, SERVING, STAGES
+from qdiff.core.stages import CAPTURE, FORCED, RUN, SERVING, STAGES, TEXT
 
 GOOD = tiny_config(Path("/models/tiny.gguf"))
 
@@ -233,6 +233,12 @@ def test_run_spec_depends_only_on_its_own_slice() -> None:
             changed(devices__cpu__env={"NOT A NAME": "1"}),
             "config.devices.cpu.env: 'NOT A NAME' does not match",
         ),
+        (changed(text={"enabled": True}), "config.text.file: needed when text.enabled is true"),
+        (
+            changed(text={"enabled": True, "file": "no/such.txt", "sha256": "0" * 64}),
+            "config.text.file: no/such.txt does not exist (./setup fetches the default",
+        ),
+        (changed(text={"n_ctx": 2}), "config.text.n_ctx: 2 is less than the minimum of 4"),
     ],
 )
 def test_bad_config_names_the_key(config: dict, expected: str) -> None:
@@ -253,6 +259,29 @@ def test_forced_and_capture_specs_depend_on_what_they_use() -> None:
     assert "n_tokens" not in capture["generation"]
     longer = load_experiment(changed(generation__n_tokens=3))
     assert longer.spec(CAPTURE, combo) == capture and longer.spec(FORCED, combo) != forced
+
+
+def test_the_text_spec_depends_on_what_it_uses(tmp_path: Path) -> None:
+    """A text job reruns when its text, window or slice changes, never when the prompts or
+    the generation do; every combination keeps the teacher's token ids."""
+    (tmp_path / "t.txt").write_text("words")
+    text = {"enabled": True, "file": "t.txt", "sha256": "0" * 64, "windows": 2}
+    exp = load_experiment(changed(text=text), base_dir=tmp_path)
+    combo = exp.all_combinations()[0]
+    spec = exp.spec(TEXT, combo)
+    assert spec["text"] == {
+        "file": "t.txt",
+        "sha256": "0" * 64,
+        "n_ctx": 512,
+        "windows": 2,
+        "top_k": 1024,
+        "teacher": "cpu.f32",
+    }
+    assert spec["generation"] == {"n_ctx": 512} and "prompts" not in spec
+    other = load_experiment(changed(text=text, generation__n_tokens=3), base_dir=tmp_path)
+    assert other.spec(TEXT, combo) == spec
+    wider = load_experiment(changed(text={**text, "n_ctx": 64}), base_dir=tmp_path)
+    assert wider.spec(TEXT, combo) != spec
 
 
 def test_the_serving_spec_depends_on_what_it_uses() -> None:

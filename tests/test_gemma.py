@@ -113,6 +113,26 @@ def test_the_free_running_generations_on_the_real_models(default_run: Workspace)
         assert re.search(r"Avg_Std@top1_prob \d", generated), generated[:2000]
 
 
+def test_the_text_on_the_real_models(default_run: Workspace) -> None:
+    """Every combination scored 4 windows of Macbeth against the exact answer along them:
+    the f32 copies' KL divergence from exact is far below the quantized files'."""
+    summary = (default_run.root / "results/summary.md").read_text()
+    for model in MODELS:
+        path = default_run.root / f"results/compare/{model}.text.json"
+        result = json.loads(path.read_text())
+        assert result["status"] == "ok" and result["exact_status"] == "ok", result
+        assert result["n_windows"] == 4 and result["n_scored"] == 4 * 255
+        kld = {label: s["kld"][0] for label, s in result["vs_exact"].items()}
+        assert set(kld) == {"cpu.none", "cpu.f32", "cpu-fa.none", "cpu-fa.f32"}
+        assert max(kld["cpu.f32"], kld["cpu-fa.f32"]) * 100 < min(
+            kld["cpu.none"], kld["cpu-fa.none"]
+        )
+        assert len(result["pairs"]) == 6
+        section = summary.split(f"## Model `{model}`")[1].split("\n## Model ")[0]
+        text = section.split("### A real text, scored as llama-perplexity scores it")[1]
+        assert "**Against the exact answer**" in text.split("\n### ")[0]
+
+
 def test_every_default_combination_has_an_error_budget(default_run: Workspace) -> None:
     """Each CPU combination's sources (the activations only for the quantized files, the GELU
     table only for Gemma), a residual and a floor on every prompt, and a reading; the

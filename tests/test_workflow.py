@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, Workspace, quantize_in_child, tiny_config
+from conftest import REPO, Workspace, quantize_in_child, tiny_config, tiny_text
 from tinymodel import write_tiny_llama
 
 pytestmark = pytest.mark.workflow
@@ -21,9 +21,10 @@ pytestmark = pytest.mark.workflow
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory, tiny_gguf: Path) -> Workspace:
     """One complete run of the tiny matrix: 2 models x 2 CPU devices x (none, f32), every
-    stage on (serving with two of its cases)."""
+    stage on (serving with two of its cases, the text in 3 short windows)."""
     ws = Workspace(tmp_path_factory.mktemp("finished") / "ws")
-    ws.write_config(tiny_config(tiny_gguf, serving={"n_tokens": 4, "cases": ["repeat", "batch"]}))
+    serving = {"n_tokens": 4, "cases": ["repeat", "batch"]}
+    ws.write_config(tiny_config(tiny_gguf, serving=serving, text=tiny_text(ws.root)))
     ws.snakemake()
     return ws
 
@@ -283,10 +284,13 @@ def test_adding_a_model_runs_only_that_model(
         forced_combination=4,
         capture_combination=4,
         serving_combination=4,
+        text_combination=4,
         compare_model=1,
         localise_model=1,
+        compare_text=1,
         exact_reference=1,
         exact_roundings=1,
+        exact_text=1,
         distance_from_exact=1,
         report=1,
     )

@@ -78,3 +78,21 @@ use rule run_combination as serving_combination with:
         llama_build=LLAMA_BUILD,
         code=CODE["combination_stage"],
         retry_token=stage_retry_token(SERVING),
+
+
+# A real text (qdiff.core.text): its windows scored as llama-perplexity scores them.
+use rule run_combination as text_combination with:
+    input:
+        unpack(text_inputs),
+    output:
+        **stage_outputs(TEXT),
+    log:
+        TEXT.log_pattern,
+    resources:
+        **stage_resources(TEXT),
+    params:
+        stage=TEXT.name,
+        spec=stage_spec(TEXT),
+        llama_build=LLAMA_BUILD,
+        code=CODE["combination_stage"],
+        retry_token=stage_retry_token(TEXT),

@@ -21,7 +21,8 @@ from qdiff.core.labels import (
     Combination,
     Pair,
 )
-from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES
+from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES, TEXT
+from qdiff.core.text import LEADING_KEPT
 from qdiff.engine.probe import check_strict_devices
 from qdiff.engine.provenance import llama_build_id
 from qdiff.engine.stage import retry_token
@@ -103,6 +104,10 @@ def compare_file(model):
     return f"results/compare/{model}.json"
 
 
+def text_compare_file(model):
+    return f"results/compare/{model}.text.json"
+
+
 def localise_file(model):
     return f"results/localise/{model}.json"
 
@@ -119,13 +124,20 @@ def all_targets(wildcards):
     targets += [compare_file(m) for m in EXPERIMENT.run_models]
     if EXPERIMENT.capture_enabled:
         targets += [localise_file(m) for m in EXPERIMENT.run_models]
+    if EXPERIMENT.text_enabled:
+        targets += [text_compare_file(m) for m in EXPERIMENT.run_models]
     targets += [
         reference_model_file(m) for m in EXPERIMENT.measured_against_reference_model()
     ]
     if EXPERIMENT.exact_enabled:
         for model in EXPERIMENT.run_models:
             emulated = emulates_roundings(model)
-            names = [n for n in EXACT_FILES if emulated or n not in ROUNDINGS_FILES]
+            names = [
+                n
+                for n in EXACT_FILES
+                if (emulated or n not in ROUNDINGS_FILES)
+                and (EXPERIMENT.text_enabled or n not in TEXT_FILES)
+            ]
             targets += [exact_file(model, name) for name in names]
     return targets
 
@@ -221,6 +233,19 @@ def forced_inputs(wildcards):
     if combo != teacher:
         inputs["teacher_record"] = FORCED.record(teacher)
         inputs["teacher_data"] = ancient(FORCED.data(teacher))
+    return inputs
+
+
+@signature_once
+def text_inputs(wildcards):
+    """A text job reads the text and, unless it is the teacher, the teacher's text pass
+    (its windows and the token ids every text pass keeps)."""
+    combo = combo_of(wildcards)
+    teacher = EXPERIMENT.teacher(combo.model)
+    inputs = {**combination_inputs(wildcards), "text": EXPERIMENT.text["file"]}
+    if combo != teacher:
+        inputs["teacher_record"] = TEXT.record(teacher)
+        inputs["teacher_data"] = ancient(TEXT.data(teacher))
     return inputs
 
 
@@ -375,7 +400,10 @@ ROUNDINGS_FILES = {
     "roundings_record": "roundings.json",
     "roundings_data": "roundings.npz",
 }
+# and the exact answer along the configured text (qdiff.core.text)
+TEXT_FILES = {"text_record": "text.json", "text_data": "text.npz"}
 EXACT_FILES.update(ROUNDINGS_FILES)
+EXACT_FILES.update(TEXT_FILES)
 
 
 def exact_file(model, name):
@@ -426,6 +454,38 @@ def roundings_inputs(wildcards):
     """The model's own file and the prompts' tokens (the teacher's run)."""
     inputs = exact_inputs(wildcards)
     return {name: inputs[name] for name in ("model", "info", "teacher_run")}
+
+
+def exact_text_inputs(wildcards):
+    """The model's own file and the teacher's text pass (its windows and token ids)."""
+    teacher = EXPERIMENT.teacher(wildcards.model)
+    return {
+        "model": ancient(model_file(wildcards.model)),
+        "info": model_info_file(wildcards.model),
+        "text_record": TEXT.record(teacher),
+        "text_data": ancient(TEXT.data(teacher)),
+    }
+
+
+def exact_text_retry_token(wildcards):
+    return token_of(exact_file(wildcards.model, "text_record"))
+
+
+def text_compare_inputs(wildcards):
+    """Every combination's text pass, in ``combination_labels`` order, and the exact one."""
+    combos = EXPERIMENT.combinations(wildcards.model)
+    inputs = {
+        "records": [TEXT.record(c) for c in combos],
+        "data": [ancient(TEXT.data(c)) for c in combos],
+    }
+    if EXPERIMENT.exact_enabled:
+        inputs["exact_record"] = exact_file(wildcards.model, "text_record")
+        inputs["exact_data"] = ancient(exact_file(wildcards.model, "text_data"))
+    if wildcards.model in EXPERIMENT.measured_against_reference_model():
+        reference = Combination.parse(EXPERIMENT.reference_model, EXPERIMENT.reference)
+        inputs["reference_record"] = TEXT.record(reference)
+        inputs["reference_data"] = ancient(TEXT.data(reference))
+    return inputs
 
 
 def exact_threads(wildcards):
@@ -520,4 +580,9 @@ def report_inputs(wildcards):
             reference_model_file(m)
             for m in EXPERIMENT.measured_against_reference_model()
         ],
+        "text": (
+            [text_compare_file(m) for m in EXPERIMENT.run_models]
+            if EXPERIMENT.text_enabled
+            else []
+        ),
     }

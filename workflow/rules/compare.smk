@@ -39,3 +39,29 @@ rule localise_model:
         code=CODE["localise_model"],
     script:
         "../scripts/localise_model.py"
+
+
+# Per model: every combination along the text against the exact answer and against each
+# other, with llama-perplexity's statistics (qdiff.compare.text).
+rule compare_text:
+    input:
+        unpack(text_compare_inputs),
+    output:
+        text_compare_file("{model}"),
+    log:
+        "results/logs/compare/{model}.text.log",
+    conda:
+        "../../envs/qdiff.yaml"
+    resources:
+        mem_mb=compare_mem_mb,
+    params:
+        combinations=combination_labels,
+        reference_model=EXPERIMENT.reference_model,
+        source=(
+            {k: EXPERIMENT.text[k] for k in ("file", "sha256", "about")}
+            if EXPERIMENT.text_enabled
+            else {}
+        ),
+        code=CODE["compare_text"],
+    script:
+        "../scripts/compare_text.py"

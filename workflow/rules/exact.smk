@@ -62,6 +62,37 @@ rule exact_roundings:
         "../scripts/exact_reference.py"
 
 
+# The exact answer along the text's windows (qdiff.core.text): the teacher's windows, at its
+# token ids, so only a change of the teacher's text pass reruns it.
+rule exact_text:
+    input:
+        unpack(exact_text_inputs),
+    output:
+        **kept_outputs(
+            {
+                "record": exact_file("{model}", "text_record"),
+                "data": exact_file("{model}", "text_data"),
+            }
+        ),
+    log:
+        "results/logs/exact/{model}.text.log",
+    benchmark:
+        "results/benchmarks/exact/{model}.text.tsv"
+    conda:
+        "../../envs/qdiff.yaml"
+    threads: exact_threads
+    resources:
+        mem_mb=exact_mem_mb,
+        runtime=240,
+    params:
+        top_k=0,  # the teacher's token ids
+        n_top=LEADING_KEPT,
+        code=CODE["exact_reference"],
+        retry_token=exact_text_retry_token,
+    script:
+        "../scripts/exact_reference.py"
+
+
 rule distance_from_exact:
     input:
         unpack(distance_inputs),

@@ -1,5 +1,6 @@
 """The exact answer of one model's weights, in float64, along the teacher's text (rule
-exact_reference), or its first steps with llama.cpp's rounding sources switched on (rule
+exact_reference) or along the windows of the configured text (rule exact_text:
+input.text_record), or its first steps with llama.cpp's rounding sources switched on (rule
 exact_roundings: params.configs), computed in a child process after a memory estimate
 (qdiff.exact.stage)."""
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 from qdiff import jobs
 from qdiff.core import records
-from qdiff.core.io import read_json, write_json
+from qdiff.core.io import load_arrays, read_json, write_json
 from qdiff.core.labels import Combination
+from qdiff.core.text import as_run
 from qdiff.engine.provenance import machine
 from qdiff.exact.stage import ExactInputs, exact_stage
 
@@ -17,20 +19,38 @@ i, out, model = snakemake.input, snakemake.output, snakemake.wildcards.model
 # Namedlists: `in` looks at their values, so their keys() are asked
 emulating = "configs" in snakemake.params.keys()  # noqa: SIM118
 configs = json.loads(snakemake.params.configs) if emulating else None
-head = {"stage": "roundings" if emulating else "exact", "model": model}
+scoring_text = "text_record" in i.keys()  # noqa: SIM118
+head = {"stage": "roundings" if emulating else "text" if scoring_text else "exact", "model": model}
 forcing = "teacher_record" in i.keys() and not emulating  # noqa: SIM118
 
 
+def teacher_text() -> tuple[dict, dict]:
+    """The teacher's text record, and its windows as the engine reads a run."""
+    record = read_json(Path(i.text_record))
+    if record["status"] != "ok":
+        return record, record
+    windows = load_arrays(Path(i.text_data))["window_tokens"].tolist()
+    return record, as_run(windows, record["generation"]["n_ctx"])
+
+
 def body(job: jobs.Job) -> None:
-    run, info = read_json(Path(i.teacher_run)), read_json(Path(i.info))
+    info = read_json(Path(i.info))
+    if scoring_text:
+        teacher, run = teacher_text()
+        forced_data, forced = Path(i.text_data), teacher
+    else:
+        teacher = run = read_json(Path(i.teacher_run))
+        forced_data = Path(i.teacher_data) if forcing else None
+        forced = read_json(Path(i.teacher_record)) if forcing else None
     inputs = ExactInputs(
         model=Path(i.model),
         info=info,
         run=run,
-        forced_data=Path(i.teacher_data) if forcing else None,
-        forced=read_json(Path(i.teacher_record)) if forcing else None,
+        forced_data=forced_data,
+        forced=forced,
         top_k=0 if emulating else snakemake.params.top_k,  # only the reference keeps top-k
         configs=configs,
+        n_top=snakemake.params.get("n_top", 2),
     )
     result = exact_stage(
         inputs,
@@ -38,9 +58,14 @@ def body(job: jobs.Job) -> None:
         Path(snakemake.log[0]),
         snakemake.config["run_timeout_s"],
         snakemake.config["exact"]["max_memory_gib"],
+        kind=head["stage"],
     )
     details = (
-        {"teacher": Combination.from_record(run).label, "model_file": info, "provenance": machine()}
+        {
+            "teacher": Combination.from_record(teacher).label,
+            "model_file": info,
+            "provenance": machine(),
+        }
         if result["status"] == "ok"
         else {}
     )

@@ -25,6 +25,7 @@ def results() -> Results:
         localised=read_all(i.localised) or None,  # None: capture is off
         exact=read_all(i.exact) or None,  # None: the exact reference is off
         against_reference_model=read_all(i.reference_model),
+        text=read_all(i.text),
         # none with first_step_logits: top_k: the report says what it cannot draw
         logits={
             Combination.from_record(r): Path(p)

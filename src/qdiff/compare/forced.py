@@ -72,7 +72,7 @@ def with_probabilities(data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def _kl(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> np.ndarray:
+def kl_with_tail(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> np.ndarray:
     """KL(a || b) over the slice tokens and the tail: a lower bound of the full KL. Every log
     is finite (``with_probabilities``), so a probability of 0 adds exactly 0."""
     inner = np.einsum("...k,...k->...", a["probs"], a["log_probs"] - b["log_probs"])
@@ -126,8 +126,8 @@ def first_step_metrics(
             abs_sum=float(np.abs(delta).sum()),
             max_abs=float(np.abs(delta).max(initial=0.0)),
             sq_norm_a=float(np.dot(xa, xa)),
-            kl=float(_kl(at_a, at_b)),
-            kl_ba=float(_kl(at_b, at_a)),
+            kl=float(kl_with_tail(at_a, at_b)),
+            kl_ba=float(kl_with_tail(at_b, at_a)),
             dp_top=prob(b, pb, top_a) - prob(a, pa, top_a),
             dp_top_ba=prob(a, pa, top_b) - prob(b, pb, top_b),
             margin_a=float(a["top_logits"][pa, 0, 0] - a["top_logits"][pa, 0, 1]),
@@ -164,7 +164,7 @@ def compare_forced(
     np.abs(max_abs, out=max_abs)
     # fmax skips the NaN of a slot the slice left empty; 4x faster than nanmax's copy
     max_abs = np.fmax.reduce(max_abs, axis=-1, initial=0.0)
-    kl = _kl(with_probabilities(a), with_probabilities(b))
+    kl = kl_with_tail(with_probabilities(a), with_probabilities(b))
     identical = a["digest"] == b["digest"]
     agree = a["top_ids"][..., 0] == b["top_ids"][..., 0]
     # the pair's typical difference where it differs at all: a pair that is bit-identical

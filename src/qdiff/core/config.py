@@ -28,7 +28,7 @@ from qdiff.core.formats import KV_CACHE_TYPES, QUANT_TYPES
 from qdiff.core.labels import DEQUANT_MODES, PAIR_SEPARATOR, Combination, Pair
 from qdiff.core.serving import cases as serving_cases
 from qdiff.core.settings import DeviceSettings
-from qdiff.core.stages import CAPTURE, FORCED, RUN, SERVING, Stage
+from qdiff.core.stages import CAPTURE, FORCED, RUN, SERVING, TEXT, Stage
 
 SOURCE_KINDS = ("url", "hf", "path", "package")
 # Names become path components and Snakemake wildcards: no separators, no "..", and no
@@ -98,6 +98,7 @@ class Experiment:
     teacher_forcing: dict[str, Any] | None = None  # {"enabled": bool, "top_k": int}
     capture: dict[str, Any] | None = None  # {"enabled", "prompts", "tensors", "pairs"}
     serving: dict[str, Any] | None = None  # qdiff.core.serving; {"enabled", "prompts", ...}
+    text: dict[str, Any] | None = None  # qdiff.core.text; {"enabled", "file", "n_ctx", ...}
     download: dict[str, Any] | None = None  # qdiff.sources.DownloadLimits.from_config
     exact: dict[str, Any] | None = None  # {"enabled"}
     reference_model: str | None = None  # a model every other model is measured against
@@ -158,6 +159,10 @@ class Experiment:
         return bool(self.serving and self.serving["enabled"])
 
     @property
+    def text_enabled(self) -> bool:
+        return bool(self.text and self.text["enabled"])
+
+    @property
     def exact_enabled(self) -> bool:
         return bool(self.exact and self.exact["enabled"])
 
@@ -167,6 +172,7 @@ class Experiment:
             FORCED: self.forcing_enabled,
             CAPTURE: self.capture_enabled,
             SERVING: self.serving_enabled,
+            TEXT: self.text_enabled,
         }[stage]
 
     def keeps_data(self, stage: Stage) -> bool:
@@ -181,6 +187,7 @@ class Experiment:
             FORCED: self._forced_spec,
             CAPTURE: self._capture_spec,
             SERVING: self._serving_spec,
+            TEXT: self._text_spec,
         }
         return {**builders[stage](combo), "stage": stage.name}
 
@@ -232,6 +239,19 @@ class Experiment:
                 "long_prompt_tokens": self.serving["long_prompt_tokens"],
                 "cases": [c.as_dict() for c in serving_cases(self.serving)],
             },
+        }
+
+    def _text_spec(self, combo: Combination) -> dict[str, Any]:
+        """The combination, its settings and the text (no prompts, no generation: editing
+        them never reruns the text), plus the teacher whose token ids every position keeps."""
+        assert self.text is not None
+        keep = ("model", "device", "dequant", "settings")
+        spec = {k: v for k, v in self._run_spec(combo).items() if k in keep}
+        text = {k: self.text[k] for k in ("file", "sha256", "n_ctx", "windows", "top_k")}
+        return {
+            **spec,
+            "generation": {"n_ctx": self.text["n_ctx"]},
+            "text": {**text, "teacher": self.teacher(combo.model).label},
         }
 
 
@@ -545,6 +565,19 @@ def _check_serving(
         problems.append("config.serving.cases: empty; set enabled: false to run none")
 
 
+def _check_text(text: dict[str, Any], base_dir: Path, problems: list[str]) -> None:
+    if not text["enabled"]:
+        return
+    for key in ("file", "sha256"):
+        if text[key] is None:
+            problems.append(f"config.text.{key}: needed when text.enabled is true")
+    if text["file"] is not None and not (base_dir / text["file"]).is_file():
+        problems.append(
+            f"config.text.file: {text['file']} does not exist (./setup fetches the default "
+            "text; see config/README.md)"
+        )
+
+
 def validate(
     config: dict[str, Any], base_dir: Path | str = "."
 ) -> tuple[Experiment, dict[str, Any]]:
@@ -560,6 +593,7 @@ def validate(
     reference = _reference(data, devices, problems)
     _check_capture(data["capture"], devices, data["dequant"], prompts, problems)
     _check_serving(data["serving"], prompts, problems)
+    _check_text(data["text"], Path(base_dir), problems)
     _check_reference_model(data, models, reference, problems)
     _check_first_step_logits(data, problems)
     if problems:
@@ -577,6 +611,7 @@ def validate(
         teacher_forcing=data["teacher_forcing"],
         capture=data["capture"],
         serving=data["serving"],
+        text=data["text"],
         download=data["download"],
         exact=data["exact"],
         reference_model=data.get("reference_model"),

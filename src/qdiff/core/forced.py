@@ -8,14 +8,15 @@ logits), 640 MiB per combination for the default experiment. Each position is ke
   likely tokens at that position (the same ids for every combination, so two slices can be
   subtracted);
 - ``lse``: log-sum-exp over the full vocabulary, so slice probabilities are exact;
-- ``top_ids``/``top_logits``: each combination's own two leading tokens over the full
-  vocabulary, so top-1 agreement and fork margins are exact;
+- ``top_ids``/``top_logits``: each combination's own ``n_top`` leading tokens over the full
+  vocabulary (two by default), so top-1 agreement and fork margins are exact;
 - ``digest``: a hash of the full float32 logits, so "bit-identical" is exact.
 """
 
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -35,8 +36,8 @@ ARRAY_NAMES = (
 
 def digest(logits: np.ndarray) -> int:
     """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits."""
-    raw = np.ascontiguousarray(logits, dtype=np.float32).tobytes()
-    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    raw = np.ascontiguousarray(logits, dtype=np.float32).view(np.uint8)  # no copy
+    return int.from_bytes(hashlib.blake2b(raw.data, digest_size=8).digest(), "little")
 
 
 def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
@@ -52,13 +53,28 @@ def log_sum_exp(logits: np.ndarray) -> float:
     return float(peak + np.log(np.exp(x - peak).sum()))
 
 
+def log_sum_exp_rows(rows: np.ndarray, block: int = 16) -> np.ndarray:
+    """``log_sum_exp`` of every row, the same float64 arithmetic (bit for bit), a block of
+    rows at a time: four times faster than row by row on a 262,144-token vocabulary."""
+    out = np.empty(len(rows))
+    for start in range(0, len(rows), block):
+        x = rows[start : start + block].astype(np.float64)
+        peak = x.max(axis=1, keepdims=True)
+        x -= peak
+        np.exp(x, out=x)
+        out[start : start + block] = peak[:, 0] + np.log(x.sum(axis=1))
+    return out
+
+
 class ForcedRecorder:
     """Collects the compact per-position summaries of one combination's forced pass."""
 
-    def __init__(self, n_prompts: int, max_len: int, top_k: int, dtype: type = np.float32) -> None:
+    def __init__(
+        self, n_prompts: int, max_len: int, top_k: int, dtype: type = np.float32, n_top: int = 2
+    ) -> None:
         """``dtype`` of the kept logits: float32 as llama.cpp computes them, float64 for the
-        exact reference (qdiff.exact)."""
-        self.top_k = top_k
+        exact reference (qdiff.exact); ``n_top``: own leading tokens kept (at least 2)."""
+        self.top_k, self.n_top = top_k, n_top
         shape = (n_prompts, max_len)
         self.arrays: dict[str, np.ndarray] = {
             "n_prompt_tokens": np.zeros(n_prompts, np.int32),
@@ -67,8 +83,8 @@ class ForcedRecorder:
             "slice_ids": np.full((*shape, top_k), -1, np.int32),
             "slice_logits": np.full((*shape, top_k), np.nan, dtype),
             "lse": np.full(shape, np.nan),
-            "top_ids": np.full((*shape, 2), -1, np.int32),
-            "top_logits": np.full((*shape, 2), np.nan, dtype),
+            "top_ids": np.full((*shape, n_top), -1, np.int32),
+            "top_logits": np.full((*shape, n_top), np.nan, dtype),
             "digest": np.zeros(shape, np.uint64),
             "forced_logprob": np.full(shape, np.nan),
         }
@@ -78,19 +94,37 @@ class ForcedRecorder:
         self.arrays["lengths"][p] = len(forced)
         self.arrays["tokens"][p, : len(forced)] = forced
 
-    def add(self, p: int, t: int, logits: np.ndarray, ids: np.ndarray | None) -> np.ndarray:
+    def add(
+        self,
+        p: int,
+        t: int,
+        logits: np.ndarray,
+        ids: np.ndarray | None,
+        known: tuple[float, int] | None = None,
+    ) -> np.ndarray:
         """Record position ``t`` of prompt ``p``; ``ids`` are the teacher's slice ids, or
-        None on the teacher itself (then its own top-k become the slice). Returns the ids."""
-        if ids is None:
-            ids = top_ids(logits, self.top_k)
+        None on the teacher itself (then its own top-k become the slice); ``known``: the
+        logits' log_sum_exp and digest where they are known (``add_rows``). Returns the ids."""
+        own = top_ids(logits, max(self.n_top, self.top_k if ids is None else 0))
+        ids = own[: self.top_k] if ids is None else ids
         a = self.arrays
         a["slice_ids"][p, t, : len(ids)] = ids
         a["slice_logits"][p, t, : len(ids)] = logits[ids]
-        lse = log_sum_exp(logits)
+        lse, hashed = known if known is not None else (log_sum_exp(logits), digest(logits))
         a["lse"][p, t] = lse
-        lead = top_ids(logits, 2)
+        lead = own[: self.n_top]
         a["top_ids"][p, t, : len(lead)] = lead
         a["top_logits"][p, t, : len(lead)] = logits[lead]
-        a["digest"][p, t] = digest(logits)
+        a["digest"][p, t] = hashed
         a["forced_logprob"][p, t] = float(logits[a["tokens"][p, t]]) - lse
         return ids
+
+    def add_rows(self, p: int, rows: np.ndarray, ids: np.ndarray | None) -> None:
+        """Record positions 0 .. len(rows) - 1 of prompt ``p`` at once (``ids``: the
+        teacher's slice ids of each, or None), as ``add`` records each."""
+        # hashing releases the GIL: the digests come from a second thread meanwhile
+        with ThreadPoolExecutor(1) as pool:
+            digests = pool.map(digest, rows)
+            lse = log_sum_exp_rows(rows)
+            for t, (logits, hashed) in enumerate(zip(rows, digests, strict=True)):
+                self.add(p, t, logits, None if ids is None else ids[t], (float(lse[t]), hashed))

@@ -99,7 +99,16 @@ STAGES: dict[str, Stage] = {
             doc="prompts decoded as a server would, against each alone (qdiff.core.serving)",
             section=("Serving conditions: which cases change the output", "serving"),
         ),
+        Stage(
+            name="text",
+            folder="results/text",
+            data_file="text.npz",
+            label="text",
+            runtime_min=120,
+            doc="a real text scored in windows as llama-perplexity scores it (qdiff.core.text)",
+            section=("A real text, scored as llama-perplexity scores it", "text"),
+        ),
     )
 }
 RUN, FORCED, CAPTURE = STAGES["run"], STAGES["forced"], STAGES["capture"]
-SERVING = STAGES["serving"]
+SERVING, TEXT = STAGES["serving"], STAGES["text"]

@@ -144,6 +144,12 @@ class LoadedModel:
             )
         return ctx
 
+    def bos_added(self) -> int | None:
+        """The BOS token where the model's tokenizer adds one, else None."""
+        if not llama_cpp.llama_vocab_get_add_bos(self._vocab):
+            return None
+        return int(llama_cpp.llama_vocab_bos(self._vocab))
+
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
@@ -318,6 +324,36 @@ class LoadedModel:
                 self._decode([token])
                 logits = self._last_logits()
         return time.perf_counter() - start
+
+    def score(self, tokens: list[int], first: int) -> np.ndarray:
+        """Decode ``tokens`` from an empty cache in batches of ``n_batch``, as llama-perplexity
+        decodes a window, asking for the logits of positions ``first`` onward alone: their
+        rows (len(tokens) - first, n_vocab)."""
+        self._check_context(len(tokens), 0, "tokens")
+        self.clear()
+        rows = []
+        batch = llama_cpp.llama_batch_init(self.device.n_batch, 0, 1)
+        try:
+            for start in range(0, len(tokens), self.device.n_batch):
+                chunk = tokens[start : start + self.device.n_batch]
+                for k, token in enumerate(chunk):
+                    batch.token[k] = token
+                    batch.pos[k] = start + k
+                    batch.n_seq_id[k] = 1
+                    batch.seq_id[k][0] = 0
+                    batch.logits[k] = start + k >= first
+                batch.n_tokens = len(chunk)
+                rc = llama_cpp.llama_decode(self._ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode failed with code {rc}")
+                n_out = sum(1 for k in range(len(chunk)) if start + k >= first)
+                if n_out:
+                    pointer = llama_cpp.llama_get_logits(self._ctx)
+                    rows.append(np.ctypeslib.as_array(pointer, shape=(n_out, self.n_vocab)).copy())
+        finally:
+            llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_synchronize(self._ctx)
+        return np.concatenate(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
 
     def _check_context(self, n_prompt: int, n_more: int, what: str) -> None:
         if n_prompt + n_more > self.n_ctx:

@@ -23,7 +23,8 @@ from qdiff.core.forced import ForcedRecorder, digest
 from qdiff.core.io import load_arrays, read_json, save_array, save_arrays, write_json
 from qdiff.core.serving import Case
 from qdiff.core.settings import DeviceSettings
-from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES
+from qdiff.core.stages import CAPTURE, FORCED, RECORD_FILE, RUN, SERVING, STAGES, TEXT
+from qdiff.core.text import LEADING_KEPT, split, windows
 from qdiff.engine import provenance, serving
 from qdiff.engine.capture import TensorCapture
 from qdiff.engine.devices import backend_devices, devices_for_backend, system_info
@@ -421,12 +422,101 @@ def _progress(spec: dict[str, Any], rows: dict[str, list[dict[str, Any]]], curre
         write_json(Path(spec["progress_file"]), progress)
 
 
+def read_text(path: Path, sha256: str) -> str:
+    """The configured text, checked against its sha256; WorkerFailure when it is not that text."""
+    import hashlib
+
+    data = path.read_bytes()
+    found = hashlib.sha256(data).hexdigest()
+    if found != sha256:
+        raise WorkerFailure(
+            "text",
+            f"{path} has sha256 {found}, not the configured text.sha256 {sha256}: "
+            "fetch it again (./setup fetches the default text) or correct text.sha256",
+        )
+    return data.decode("utf-8", errors="replace")
+
+
+def _teacher_windows(spec: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The teacher's text arrays (its windows and slice ids), or None on the teacher."""
+    inputs = spec["inputs"]
+    if "teacher_record" not in inputs:
+        return None
+    record = read_json(Path(inputs["teacher_record"]))
+    if record["status"] != "ok":
+        raise WorkerFailure(
+            "teacher",
+            f"the teacher {spec['text']['teacher']}'s text stage is {record['status']} "
+            f"({records.failure_text(record)}), so there are no token ids to keep",
+            EXIT_UNAVAILABLE,
+        )
+    return load_arrays(Path(inputs["teacher_data"]))
+
+
+def score_text(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
+    """The text stage (qdiff.core.text): the text's windows scored as llama-perplexity
+    scores them, every scored position kept as a teacher-forced one is, at the teacher's
+    token ids."""
+    settings = spec["text"]
+    text = read_text(Path(spec["inputs"]["text"]), settings["sha256"])
+    teacher = _teacher_windows(spec)
+    loaded, prov = _load(spec, log)
+    with loaded:
+        tokens = loaded.tokenize(text, parse_special=False)
+        cut = windows(tokens, settings["n_ctx"], settings["windows"], loaded.bos_added())
+        if not cut:
+            raise WorkerFailure(
+                "text",
+                f"the text is {len(tokens)} tokens, less than one window of "
+                f"text.n_ctx = {settings['n_ctx']}: lower text.n_ctx or give a longer text",
+            )
+        if teacher is not None and not np.array_equal(teacher["window_tokens"], cut):
+            raise WorkerFailure(
+                "tokenizer",
+                f"this file tokenizes the text otherwise than the teacher "
+                f"{settings['teacher']}: the two score different tokens",
+            )
+        top_k = (
+            teacher["slice_ids"].shape[-1] if teacher else min(settings["top_k"], loaded.n_vocab)
+        )
+        n_forced = len(split(cut[0])[1])
+        recorder = ForcedRecorder(len(cut), n_forced, top_k, n_top=LEADING_KEPT)
+        start = time.perf_counter()
+        for w, window in enumerate(cut):
+            head, forced = split(window)
+            recorder.begin_prompt(w, len(head), forced)
+            # the whole window, its last position's logits too, as llama-perplexity asks
+            # for them: the same batch and output sizes, so the same kernels
+            logits = loaded.score(window, len(head) - 1)[:n_forced]
+            recorder.add_rows(w, logits, teacher["slice_ids"][w] if teacher else None)
+            print(f"[qdiff] text: window {w + 1} of {len(cut)} scored", file=sys.stderr, flush=True)
+        seconds = time.perf_counter() - start
+        load_s = loaded.load_seconds
+    n_scored = len(cut) * n_forced
+    record = {
+        **records.record_head(spec, "ok", TEXT.name),
+        "teacher": settings["teacher"],
+        "top_k": int(top_k),
+        "n_text_tokens": len(tokens),
+        "n_windows": len(cut),
+        "n_scored": n_scored,
+        "timings": {
+            "load_s": round(load_s, 4),
+            "seconds": round(seconds, 3),
+            "tokens_per_s": round(len(cut) * settings["n_ctx"] / max(seconds, 1e-9), 1),
+        },
+        "provenance": prov,
+    }
+    return record, {**recorder.arrays, "window_tokens": np.array(cut, np.int32)}
+
+
 # what each stage of qdiff.core.stages runs (tests/test_stages.py: one function a stage)
 STAGE_FUNCTIONS: dict[str, Callable[[dict[str, Any], LlamaLog], StageOutput]] = {
     RUN.name: generate,
     FORCED.name: force,
     CAPTURE.name: capture,
     SERVING.name: serve,
+    TEXT.name: score_text,
 }
 
 

@@ -22,12 +22,13 @@ def reference(
     teacher_slices: np.ndarray | None,
     top_k: int,
     layer_by_layer: bool = False,
+    n_top: int = 2,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The exact logits along the teacher's text: full-vocabulary first-step logits per
     prompt, and at every position the forced passes keep (the teacher's ``teacher_slices``
     token ids, or the exact top-``top_k`` without them) the same summaries as a forced pass
     (qdiff.compare.forced), in float64. The prompts' tokens are llama.cpp's, from the
-    teacher's run. ``layer_by_layer``: see ExactModel."""
+    teacher's run. ``layer_by_layer``: see ExactModel; ``n_top``: see ForcedRecorder."""
     import time
 
     from qdiff.core.forced import ForcedRecorder
@@ -37,7 +38,7 @@ def reference(
     prompts = teacher_run["prompts"]
     max_len = max((len(p["tokens"]) for p in prompts), default=0)
     k = teacher_slices.shape[-1] if teacher_slices is not None else min(top_k, exact.hp.n_vocab)
-    recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64)
+    recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64, n_top=n_top)
     first = np.zeros((len(prompts), exact.hp.n_vocab))
     began = time.perf_counter()  # the weights are read and dequantized as the layers need them
     # the last forced token predicts nothing kept
@@ -218,7 +219,9 @@ def main(argv: list[str]) -> int:
         if spec.get("configs") is not None:
             record, arrays = emulate(Path(spec["model"]), run, spec["configs"], stream)
         else:
-            record, arrays = reference(Path(spec["model"]), run, slices, spec["top_k"], stream)
+            record, arrays = reference(
+                Path(spec["model"]), run, slices, spec["top_k"], stream, spec.get("n_top", 2)
+            )
     except (UnsupportedArchitectureError, NotEmulatedError) as exc:
         write_json(out / ERROR_FILE, {"kind": "unsupported", "message": str(exc)})
         return UNSUPPORTED

@@ -31,6 +31,7 @@ class ExactInputs:
     # the rounding sources to emulate (name -> qdiff.exact.roundings.Roundings fields), or
     # None for the exact reference itself
     configs: dict[str, dict[str, Any]] | None = None
+    n_top: int = 2  # own leading tokens kept per position (qdiff.core.forced)
 
     def workload(self) -> Workload:
         """The rows of full-vocabulary logits the child holds at its peak, and the
@@ -46,13 +47,19 @@ class ExactInputs:
 
 
 def exact_stage(
-    inputs: ExactInputs, data_out: Path, log: Path, timeout_s: float, max_memory_gib: float | None
+    inputs: ExactInputs,
+    data_out: Path,
+    log: Path,
+    timeout_s: float,
+    max_memory_gib: float | None,
+    kind: str = "exact",
 ) -> dict[str, Any]:
     """Compute the exact reference (or the emulated roundings) into ``data_out``; its
     record's fields: ``status`` ok with
     the reference's figures and its memory estimate, or ``unsupported`` with the reason.
     Raises StageError (the job records it as failed) when an input did not run, the memory
-    it needs is more than it may take, or the child fails (its signal, its error)."""
+    it needs is more than it may take, or the child fails (its signal, its error).
+    ``kind``: the job's (exact, roundings or text), which names its working folders."""
     not_ok = [
         r
         for r in (inputs.info, inputs.run, inputs.forced)
@@ -64,7 +71,7 @@ def exact_stage(
     with log.open("a") as out:  # before it starts, so a user watching the log knows
         mode = "one layer's weights at a time" if layer_by_layer else "every weight kept"
         out.write(f"qdiff: the float64 engine needs about {needed / GIB:.2f} GiB ({mode})\n")
-    prefix = ".exact-" if inputs.configs is None else ".roundings-"  # the two jobs' own
+    prefix = f".{kind}-"  # each kind of exact job's own: a killed job's are removed here
     for stale in data_out.parent.glob(f"{prefix}*"):  # left by a killed job
         shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(dir=data_out.parent, prefix=prefix) as tmp:
@@ -75,6 +82,7 @@ def exact_stage(
             "teacher_run": inputs.run,
             "teacher_data": str(inputs.forced_data) if inputs.forced_data else None,
             "top_k": inputs.top_k,
+            "n_top": inputs.n_top,
             "configs": inputs.configs,
             "layer_by_layer": layer_by_layer,
             **{name: str(path) for name, path in made.items()},

@@ -21,6 +21,7 @@ class ModelView:
     localised: dict[str, Any] | None = None  # None: capture is off
     exact: dict[str, Any] | None = None  # distance from exact (qdiff.compare.distance); None: off
     reference_model: dict[str, Any] | None = None  # against config.reference_model
+    text: dict[str, Any] | None = None  # along the text (qdiff.compare.text); None: off
     is_reference_model: bool = False
     reference: str | None = None  # label of the reference combination
     logits: dict[Combination, Path] = field(default_factory=dict)
@@ -100,6 +101,7 @@ class Results:
     localised: list[dict[str, Any]] | None = None  # per model; None: capture is off
     exact: list[dict[str, Any]] | None = None  # distances from exact, per model; None: off
     against_reference_model: list[dict[str, Any]] = field(default_factory=list)
+    text: list[dict[str, Any]] = field(default_factory=list)  # per model (qdiff.compare.text)
     logits: dict[Combination, Path] = field(default_factory=dict)  # runs' first steps, if kept
 
     @property
@@ -128,6 +130,7 @@ def split_by_model(
             localised=of(m, results.localised) if results.localised is not None else None,
             exact=of(m, results.exact) if results.exact is not None else None,
             reference_model=of(m, results.against_reference_model),
+            text=of(m, results.text),
             is_reference_model=m in reference_models,
             reference=reference,
             logits={c: p for c, p in results.logits.items() if c.model == m},

@@ -1,0 +1,184 @@
+"""qdiff's text statistics beside llama-perplexity's (validate.sh): the same statistic from
+each tool, and what llama-perplexity stored of its base (uint16 log-probabilities) against
+qdiff's float32 base pass at the same positions.
+
+    compare.py LLAMA_PERPLEXITY_KLD_LOG BASE_KLD_FILE QDIFF_WORKDIR > comparison.md
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from qdiff.core.io import load_arrays
+from qdiff.core.text import first_scored
+
+MODEL = "smollm2-135m-instruct.requant-q8_0"
+KEPT = (64, 256, 1024, 4096)  # tokens kept, for the bound's share of the full KL
+# llama-perplexity's line label -> (qdiff's statistic, index or percentile key, scale)
+LINES = {
+    "Mean PPL(Q)": ("ppl", 0, 1),
+    "Mean PPL(base)": ("ppl_base", 0, 1),
+    "Cor(ln(PPL(Q)), ln(PPL(base)))": ("cor_ln_ppl", None, 100),
+    "Mean ln(PPL(Q)/PPL(base))": ("ln_ppl_ratio", 0, 1),
+    "Mean PPL(Q)/PPL(base)": ("ppl_ratio", 0, 1),
+    "Mean    KLD": ("kld", 0, 1),
+    "Maximum KLD": ("kld_percentiles", "100", 1),
+    "99.9%   KLD": ("kld_percentiles", "99.9", 1),
+    "99.0%   KLD": ("kld_percentiles", "99", 1),
+    "Median  KLD": ("kld_percentiles", "50", 1),
+    "Minimum KLD": ("kld_percentiles", "0", 1),
+    "Mean    Δp": ("p_diff", 0, 100),
+    "Maximum Δp": ("p_diff_percentiles", "100", 100),
+    "Median  Δp": ("p_diff_percentiles", "50", 100),
+    "Minimum Δp": ("p_diff_percentiles", "0", 100),
+    "RMS Δp    ": ("p_diff_rms", 0, 100),
+    "Same top p": ("same_top", 0, 100),
+}
+
+
+def llama_perplexity_stats(log: str) -> dict[str, float]:
+    found = {}
+    for label in LINES:
+        m = re.search(re.escape(label) + r"\s*:\s*(-?[0-9.]+)", log)
+        if m:
+            found[label] = float(m.group(1))
+    return found
+
+
+def read_base(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
+    """llama-perplexity's --kl-divergence-base file: its tokens, and per scored position the
+    uint16 log-probabilities decoded (scale * q + min), as its kl_divergence decodes them."""
+    raw = path.read_bytes()
+    assert raw[:8] == b"_logits_"
+    n_ctx, n_vocab, n_chunk = np.frombuffer(raw, np.int32, 3, 8)
+    offset = 20
+    tokens = np.frombuffer(raw, np.int32, n_ctx * n_chunk, offset).reshape(n_chunk, n_ctx)
+    offset += 4 * n_ctx * n_chunk
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    n_scored = n_ctx - 1 - n_ctx // 2
+    rows = np.frombuffer(raw, np.uint16, n_chunk * n_scored * nv, offset).reshape(
+        n_chunk, n_scored, nv
+    )
+    head = rows[..., :4].copy().view(np.float32)  # scale, min log-prob
+    logp = head[..., :1] * rows[..., 4 : 4 + n_vocab] + head[..., 1:2]
+    return tokens, logp, int(n_ctx)
+
+
+def full_vocabulary(work: Path, windows: np.ndarray, base: dict, other: dict) -> dict[str, float]:
+    """Both files scored again along the same windows with qdiff's own llama.cpp calls (the
+    text stage's ``LoadedModel.score``, the `cpu` device's settings), every logit kept: the
+    KL divergence over the whole vocabulary in float64, which neither tool stores, and
+    whether these logits are bit for bit the text stage's (its digests)."""
+    from qdiff.core.forced import digest
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.core.text import split
+    from qdiff.engine.log import init_backend
+    from qdiff.engine.model import LoadedModel
+
+    log = init_backend(work / "full-vocabulary-errors.txt")
+    device = DeviceSettings.from_config({"backend": "cpu", "threads": 2})
+    rows = {}
+    for name in ("dequant-f32.gguf", "gguf"):
+        path = work / "resources/models" / f"{MODEL}.{name}"
+        with LoadedModel(path, device, int(windows.shape[1])) as loaded:
+            rows[name] = [loaded.score(list(w), len(split(list(w))[0]) - 1)[:-1] for w in windows]
+    kld, same_bits = [], True
+    bounds: dict[int, list[float]] = {k: [] for k in KEPT}
+    for w, (lb, lq) in enumerate(zip(rows["dequant-f32.gguf"], rows["gguf"], strict=True)):
+        same_bits &= all(digest(r) == d for r, d in zip(lb, base["digest"][w], strict=True))
+        same_bits &= all(digest(r) == d for r, d in zip(lq, other["digest"][w], strict=True))
+        pb = lb.astype(np.float64)
+        pb -= pb.max(1, keepdims=True)
+        pb -= np.log(np.exp(pb).sum(1, keepdims=True))
+        pq = lq.astype(np.float64)
+        pq -= pq.max(1, keepdims=True)
+        pq -= np.log(np.exp(pq).sum(1, keepdims=True))
+        kld.extend((np.exp(pb) * (pb - pq)).sum(1))
+        for k, bound in bounds.items():
+            bound.extend(_bounded(pb, pq, k))
+    del log
+    values = np.array(kld)
+    return {
+        "mean": float(values.mean()),
+        "median": float(np.median(values)),
+        "max": float(values.max()),
+        "bit_identical": bool(same_bits),
+        "bound_share": {k: float(np.mean(v) / values.mean()) for k, v in bounds.items()},
+    }
+
+
+def _bounded(pb: np.ndarray, pq: np.ndarray, k: int) -> np.ndarray:
+    """KL over the base's top ``k`` tokens and one bucket for the rest, per position."""
+    ids = np.argsort(-pb, axis=1)[:, :k]
+    a, b = np.take_along_axis(pb, ids, 1), np.take_along_axis(pq, ids, 1)
+    rest_a = np.maximum(1 - np.exp(a).sum(1), 1e-300)
+    rest_b = np.maximum(1 - np.exp(b).sum(1), 1e-300)
+    return (np.exp(a) * (a - b)).sum(1) + rest_a * np.log(rest_a / rest_b)
+
+
+def main(log_path: str, base_path: str, workdir: str) -> None:
+    work = Path(workdir)
+    theirs = llama_perplexity_stats(Path(log_path).read_text())
+    text = json.loads((work / f"results/compare/{MODEL}.text.json").read_text())
+    ours = text["pairs"]["cpu.f32 vs cpu.none"]  # the f32 copy, the teacher, as the base
+    print("# qdiff's text statistics against llama-perplexity's\n")
+    print(
+        f"The write-up's Q8_0 file (Q) against its f32 copy (base), {text['n_windows']} windows "
+        f"of {text['n_ctx']} tokens of Macbeth ({ours['n']:,} positions scored), on one CPU "
+        "device (2 threads, no flash attention, no repacked weights). llama-perplexity built "
+        "from the llama.cpp source llama-cpp-python 0.3.36 vendors (`validate.sh`). qdiff's KLD "
+        f"is over the teacher's top {text['top_k']} tokens and one bucket for the rest.\n"
+    )
+    print("| statistic | llama-perplexity | qdiff | qdiff − llama-perplexity |")
+    print("|---|---|---|---|")
+    for label, value in theirs.items():
+        key, index, scale = LINES[label]
+        mine = ours[key] if index is None else ours[key][index]
+        mine = mine * scale
+        print(f"| {label.strip()} | {value:.6g} | {mine:.6g} | {mine - value:+.3g} |")
+    tokens, logp, n_ctx = read_base(Path(base_path))
+    base = load_arrays(work / "results/text" / MODEL / "cpu/f32/text.npz")
+    same_tokens = np.array_equal(
+        base["window_tokens"][:, 1:], tokens[: len(base["window_tokens"]), 1:]
+    )
+    first = first_scored(n_ctx)
+    targets = tokens[:, first + 1 :]
+    stored = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+    gap = np.abs(stored - base["forced_logprob"])
+    # a token more than 16 nats below the most likely one is stored at that floor
+    floor = (logp.min(axis=-1) - base["forced_logprob"]) > 1e-3
+    other = load_arrays(work / "results/text" / MODEL / "cpu/none/text.npz")
+    full = full_vocabulary(work, base["window_tokens"], base, other)
+    print(
+        f"\nOver the whole vocabulary, in float64 (both files scored again with the text "
+        f"stage's own calls, every logit kept; bit for bit the text stage's logits: "
+        f"**{full['bit_identical']}**): mean KLD {full['mean']:.6f}, median "
+        f"{full['median']:.6f}, maximum {full['max']:.6f}. qdiff's bound over "
+        f"{text['top_k']} tokens and a bucket is {ours['kld'][0] / full['mean']:.4f} of the "
+        f"mean; llama-perplexity's {theirs['Mean    KLD'] / full['mean']:.4f}. The same bound "
+        "with other numbers of tokens kept (the base's own top k, from these logits): "
+        + ", ".join(f"{k}: {share:.4f}" for k, share in full["bound_share"].items())
+        + "."
+    )
+    print(
+        f"\nThe two tools read the same tokens (after each window's first, which both replace "
+        f"by BOS where the model adds one): **{same_tokens}**. llama-perplexity's stored base "
+        f"log-probability of each scored token against qdiff's float32 base pass: largest "
+        f"difference {gap.max():.2e} nat, median {np.median(gap):.2e} (its uint16 step is "
+        f"{float(np.median(np.ptp(logp, axis=-1))) / 65535:.2e} nat at the median position). "
+        f"At {int(floor.sum())} of {floor.size:,} positions the text's token is more than 16 "
+        "nats below the base's most likely token, where llama-perplexity stores it at that "
+        f"floor: its NLL there is understated by up to {gap[floor].max(initial=0):.3f} nat. "
+        "qdiff's PPL(base) with the same understatement: "
+        f"{ours['ppl_base'][0] * np.exp(-(stored - base['forced_logprob'])[floor].sum() / floor.size):.4f} "
+        f"(llama-perplexity's: {theirs['Mean PPL(base)']:.4f})."
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

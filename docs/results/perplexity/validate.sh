@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# qdiff's text statistics held against llama.cpp's own `llama-perplexity --kl-divergence`,
+# built from the llama.cpp source that llama-cpp-python 0.3.36 vendors (the library qdiff
+# runs), on the same files, text, windows and CPU settings. Writes comparison.md and the two
+# tools' logs beside this script.
+#
+#   docs/results/perplexity/validate.sh      (from the repository root, after ./setup)
+#
+# The build (about 4 minutes on 2 cores) goes to build/llama-perplexity; qdiff runs its own
+# workflow in build/perplexity-qdiff with config.yaml, so results/ is left alone.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+HERE=docs/results/perplexity
+BUILD=build/llama-perplexity
+WORK=build/perplexity-qdiff
+PY=.venv/bin/python
+CHUNKS=$($PY -c "import yaml; print(yaml.safe_load(open('$HERE/config.yaml'))['text']['windows'])")
+
+if [ ! -x "$BUILD/bin/llama-perplexity" ]; then
+    mkdir -p build/src
+    $PY -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d build/src
+    tar -xzf build/src/llama_cpp_python-0.3.36.tar.gz -C build/src
+    cmake -S build/src/llama_cpp_python-0.3.36/vendor/llama.cpp -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+        -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF >/dev/null
+    cmake --build "$BUILD" --target llama-perplexity -j "$(nproc)" >/dev/null
+fi
+
+# qdiff first: it makes the two files (the write-up's Q8_0 requantized from the package's
+# Q4_1, and its f32 copy) and scores the text with both, the f32 copy as the teacher
+mkdir -p "$WORK/resources"
+ln -sfn "$PWD/resources/texts" "$WORK/resources/texts"
+.venv/bin/snakemake --snakefile Snakefile --directory "$WORK" --configfile "$HERE/config.yaml" --cores 2 -q
+
+MODEL=$WORK/resources/models/smollm2-135m-instruct.requant-q8_0
+# llama-perplexity as qdiff's `cpu` device runs: 2 threads, plain attention, no repacked
+# weights, one sequence of 512 tokens per batch
+ARGS=(-f resources/texts/macbeth.txt -c 512 -b 512 -ub 512 -t 2 -fa off --no-repack --chunks "$CHUNKS")
+"$BUILD/bin/llama-perplexity" -m "$MODEL.dequant-f32.gguf" "${ARGS[@]}" \
+    --kl-divergence-base "$BUILD/base.kld" >"$HERE/llama-perplexity-base.log" 2>&1
+"$BUILD/bin/llama-perplexity" -m "$MODEL.gguf" "${ARGS[@]}" \
+    --kl-divergence-base "$BUILD/base.kld" --kl-divergence >"$HERE/llama-perplexity-kld.log" 2>&1
+
+$PY "$HERE/compare.py" "$HERE/llama-perplexity-kld.log" "$BUILD/base.kld" "$WORK" >"$HERE/comparison.md"
+cat "$HERE/comparison.md"

@@ -1,0 +1,244 @@
+"""The text stage's pure parts: windows cut as llama-perplexity cuts them, and its
+statistics computed as it computes them (qdiff.core.text, qdiff.compare.text)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qdiff.compare.forced import with_probabilities
+from qdiff.compare.text import compare_text, mean_and_uncertainty, perplexity_stats
+from qdiff.core.forced import ForcedRecorder, log_sum_exp, log_sum_exp_rows
+from qdiff.core.text import as_run, split, windows
+
+
+def test_windows_are_cut_as_llama_perplexity_cuts_them() -> None:
+    tokens = list(range(100, 123))  # 23 tokens: two whole windows of 10, a remainder dropped
+    cut = windows(tokens, 10, None, bos=1)
+    assert cut == [[1, *range(101, 110)], [1, *range(111, 120)]]
+    assert windows(tokens, 10, 1, bos=None) == [list(range(100, 110))]
+    assert windows(tokens, 24, None, bos=1) == []
+    # positions n_ctx/2 .. n_ctx-2 are scored, each against the next token
+    head, forced = split(cut[1])
+    assert head == [1, *range(111, 116)] and forced == list(range(116, 120))
+    run = as_run(cut, 10)
+    assert run["generation"]["n_ctx"] == 10
+    assert [p["id"] for p in run["prompts"]] == ["window-1", "window-2"]
+    assert run["prompts"][1]["prompt_tokens"] + run["prompts"][1]["tokens"] == cut[1]
+
+
+def _pass(
+    logits: np.ndarray, tokens: np.ndarray, top_k: int, ids: np.ndarray | None = None
+) -> dict:
+    """A text pass over windows × positions of full logits, as the stage records one."""
+    n_windows, n_pos, _ = logits.shape
+    recorder = ForcedRecorder(n_windows, n_pos, top_k, n_top=10)
+    for w in range(n_windows):
+        recorder.begin_prompt(w, 1, list(tokens[w]))
+        recorder.add_rows(w, logits[w], None if ids is None else ids[w])
+    return recorder.arrays
+
+
+def _llama_perplexity(base: np.ndarray, other: np.ndarray, tokens: np.ndarray) -> dict:
+    """tools/perplexity/perplexity.cpp's kl_divergence, position by position over the full
+    vocabulary, without its uint16 storage and its -16 cut: what qdiff must equal when the
+    kept slice holds every token."""
+    sums = dict.fromkeys(
+        ("nll", "nll2", "base", "base2", "cross", "kld", "kld2", "dp2", "dp4"), 0.0
+    )
+    same, n = 0, 0
+    for lb, lq, tok in zip(
+        base.reshape(-1, base.shape[-1]),
+        other.reshape(-1, other.shape[-1]),
+        tokens.ravel(),
+        strict=True,
+    ):
+        log_pb = lb.astype(np.float64) - log_sum_exp(lb)
+        log_pq = lq.astype(np.float64) - log_sum_exp(lq)
+        nll, nll_base = -log_pq[tok], -log_pb[tok]
+        kld = float(np.sum(np.exp(log_pb) * (log_pb - log_pq)))
+        dp = np.exp(-nll) - np.exp(-nll_base)
+        for key, value in (("nll", nll), ("base", nll_base), ("kld", kld), ("dp2", dp * dp)):
+            sums[key] += value
+        sums["nll2"] += nll * nll
+        sums["base2"] += nll_base * nll_base
+        sums["cross"] += nll * nll_base
+        sums["kld2"] += kld * kld
+        sums["dp4"] += dp**4
+        same += int(np.argmax(lb) == np.argmax(lq))
+        n += 1
+
+    def mean_unc(s: float, s2: float) -> tuple[float, float]:
+        f = s / n
+        return f, np.sqrt((s2 / n - f * f) / (n - 1))
+
+    log_ppl, log_ppl_base = (
+        mean_unc(sums["nll"], sums["nll2"]),
+        mean_unc(sums["base"], sums["base2"]),
+    )
+    cov = (sums["cross"] / n - log_ppl[0] * log_ppl_base[0]) / (n - 1)
+    mse = mean_unc(sums["dp2"], sums["dp4"])
+    return {
+        "ppl": np.exp(log_ppl[0]),
+        "ppl_base": np.exp(log_ppl_base[0]),
+        "cor": cov / (log_ppl[1] * log_ppl_base[1]),
+        "ln_ratio": (
+            log_ppl[0] - log_ppl_base[0],
+            np.sqrt(log_ppl[1] ** 2 + log_ppl_base[1] ** 2 - 2 * cov),
+        ),
+        "kld": mean_unc(sums["kld"], sums["kld2"]),
+        "rms": np.sqrt(mse[0]),
+        "same": same / n,
+    }
+
+
+@pytest.fixture
+def two_passes() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    base = (rng.standard_normal((3, 20, 50)) * 3).astype(np.float32)
+    other = (base + rng.standard_normal(base.shape) * 0.3).astype(np.float32)
+    tokens = rng.integers(0, 50, (3, 20))
+    return base, other, tokens
+
+
+def test_the_statistics_equal_llama_perplexity_where_the_slice_holds_every_token(
+    two_passes,
+) -> None:
+    base, other, tokens = two_passes
+    a = _pass(base, tokens, 50)
+    b = _pass(other, tokens, 50, a["slice_ids"])
+    got = perplexity_stats(with_probabilities(a), with_probabilities(b))
+    want = _llama_perplexity(base, other, tokens)
+    assert got["n"] == 60
+    assert got["ppl"][0] == pytest.approx(want["ppl"], rel=1e-9)
+    assert got["ppl_base"][0] == pytest.approx(want["ppl_base"], rel=1e-9)
+    assert got["cor_ln_ppl"] == pytest.approx(want["cor"], rel=1e-9)
+    assert got["ln_ppl_ratio"] == pytest.approx(list(want["ln_ratio"]), rel=1e-9)
+    assert got["kld"] == pytest.approx(list(want["kld"]), rel=1e-9)
+    assert got["p_diff_rms"][0] == pytest.approx(want["rms"], rel=1e-9)
+    assert got["same_top"][0] == pytest.approx(want["same"])
+    assert got["identical_positions"] == 0
+    assert len(got["kld_by_window"]) == 3
+    assert np.mean(got["kld_by_window"]) == pytest.approx(got["kld"][0], rel=1e-9)
+
+
+def test_a_smaller_slice_gives_a_lower_bound_of_the_kl(two_passes) -> None:
+    base, other, tokens = two_passes
+    full = _llama_perplexity(base, other, tokens)["kld"][0]
+    a = _pass(base, tokens, 8)
+    b = _pass(other, tokens, 8, a["slice_ids"])
+    bounded = perplexity_stats(with_probabilities(a), with_probabilities(b))["kld"][0]
+    assert 0 < bounded < full
+
+
+def test_a_pass_against_itself_is_bit_identical_and_has_no_divergence(two_passes) -> None:
+    base, _, tokens = two_passes
+    a = _pass(base, tokens, 50)
+    s = perplexity_stats(with_probabilities(a), with_probabilities(a))
+    assert s["identical_positions"] == s["n"] == 60
+    assert s["kld"] == [0.0, 0.0] and s["same_top"][0] == 1.0 and s["top1_in_top5"] == 1.0
+
+
+def test_nearest_and_farthest_are_decided_window_by_window(two_passes) -> None:
+    base, other, tokens = two_passes
+    rng = np.random.default_rng(4)
+    exact = _pass(base, tokens, 50)
+    near = _pass(
+        (base + rng.standard_normal(base.shape) * 0.01).astype(np.float32),
+        tokens,
+        50,
+        exact["slice_ids"],
+    )
+    far = _pass(other, tokens, 50, exact["slice_ids"])
+    result = compare_text({"cpu.f32": near, "cpu.none": far}, exact)
+    extremes = result["extremes"]
+    assert (extremes["nearest"], extremes["runner_up"]) == ("cpu.f32", "cpu.none")
+    assert extremes["farthest"] == "cpu.none"
+    assert extremes["spread"]["verdict"] == "farther" and extremes["spread"]["n"] == 3
+    assert list(result["pairs"]) == ["cpu.f32 vs cpu.none"]
+    # the teacher is the base of every pair it is in, as llama-perplexity's base is
+    assert list(compare_text({"cpu.f32": near, "cpu.none": far}, None, "cpu.none")["pairs"]) == [
+        "cpu.none vs cpu.f32"
+    ]
+    with pytest.raises(ValueError, match="different tokens"):
+        compare_text({"a": near, "b": _pass(other, tokens[::-1], 50, exact["slice_ids"])}, None)
+
+
+def test_mean_and_uncertainty_is_llama_perplexitys() -> None:
+    x = np.arange(1.0, 13.0)
+    mean, unc = mean_and_uncertainty(x)
+    assert mean == 6.5 and unc == pytest.approx(np.sqrt((np.mean(x * x) - 6.5**2) / 11))
+    assert mean_and_uncertainty(np.arange(10.0))[1] == 0.0  # 10 values or fewer: none
+
+
+def test_rows_are_recorded_as_one_by_one() -> None:
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((20, 300)) * 4).astype(np.float32)
+    assert np.array_equal(log_sum_exp_rows(rows, block=7), [log_sum_exp(r) for r in rows])
+    one, many = (ForcedRecorder(1, 20, 16, n_top=10) for _ in range(2))
+    for rec in (one, many):
+        rec.begin_prompt(0, 1, list(range(20)))
+    for t in range(20):
+        one.add(0, t, rows[t], None)
+    many.add_rows(0, rows, None)
+    for key, value in one.arrays.items():
+        assert np.array_equal(value, many.arrays[key], equal_nan=True), key
+
+
+def test_the_report_names_no_nearest_when_the_windows_cannot_tell() -> None:
+    from qdiff.report.sections.text import _extremes
+
+    def ratio(verdict: str) -> dict:
+        return {"ratio": 1.1, "low": 0.9, "high": 1.3, "n": 4, "verdict": verdict}
+
+    said = _extremes(
+        {
+            "nearest": "cpu.f32",
+            "runner_up": "cpu-fa.f32",
+            "farthest": "cpu.none",
+            "lead": ratio("indistinguishable"),
+            "spread": ratio("farther"),
+        }
+    )
+    assert "`cpu.f32` and `cpu-fa.f32` are nearest the exact answer, indistinguishable" in said
+    assert "The farthest, `cpu.none`" in said
+    none = _extremes(
+        {
+            "nearest": "a",
+            "runner_up": "b",
+            "farthest": "c",
+            "lead": ratio("indistinguishable"),
+            "spread": ratio("indistinguishable"),
+        }
+    )
+    assert none.startswith("No combination is nearer the exact answer than another")
+
+
+def test_two_models_compare_over_the_ids_both_kept(two_passes) -> None:
+    """A reference model's pass kept its own teacher's ids, this model's pass its own: the
+    KL over the ids both kept and a bucket is that of the two full distributions coarsened
+    to those ids (checked by hand), below the full KL; another tokenizer is not compared."""
+    from qdiff.compare.text import against_reference_model, on_shared_ids
+
+    base, other, tokens = two_passes
+    reference = {**_pass(base, tokens, 16), "window_tokens": np.zeros((3, 8))}
+    own = {**_pass(other, tokens, 16), "window_tokens": np.zeros((3, 8))}
+    a, b = on_shared_ids(reference, own)
+    w, t = 1, 7
+    shared = a["slice_ids"][w, t][a["slice_ids"][w, t] >= 0]
+    assert set(shared) == set(reference["slice_ids"][w, t]) & set(own["slice_ids"][w, t])
+    log_p = base[w, t].astype(np.float64) - log_sum_exp(base[w, t])
+    log_q = other[w, t].astype(np.float64) - log_sum_exp(other[w, t])
+    rest_p, rest_q = 1 - np.exp(log_p[shared]).sum(), 1 - np.exp(log_q[shared]).sum()
+    by_hand = np.sum(np.exp(log_p[shared]) * (log_p[shared] - log_q[shared]))
+    by_hand += rest_p * np.log(rest_p / rest_q)
+    rows = against_reference_model({"cpu.none": own}, reference)
+    got = rows["cpu.none"]
+    assert got["comparable"] and got["kld_by_window"][w] > 0
+    from qdiff.compare.forced import kl_with_tail
+
+    kl = kl_with_tail(with_probabilities(a), with_probabilities(b))
+    assert kl[w, t] == pytest.approx(by_hand, rel=1e-9)
+    assert got["kld"][0] < _llama_perplexity(base, other, tokens)["kld"][0]
+    elsewhere = {**own, "window_tokens": np.ones((3, 8))}
+    assert not against_reference_model({"x": elsewhere}, reference)["x"]["comparable"]
