@@ -118,8 +118,10 @@ def test_the_statistics_equal_llama_perplexity_where_the_slice_holds_every_token
     assert got["p_diff_rms"][0] == pytest.approx(want["rms"], rel=1e-9)
     assert got["same_top"][0] == pytest.approx(want["same"])
     assert got["identical_positions"] == 0
-    assert len(got["kld_by_window"]) == 3
+    assert len(got["kld_by_window"]) == 3 and len(got["kld_by_block"]) == 3  # 20 positions each
     assert np.mean(got["kld_by_window"]) == pytest.approx(got["kld"][0], rel=1e-9)
+    ppl_diff = got["ppl"][0] - got["ppl_base"][0]
+    assert got["ppl_diff"][0] == pytest.approx(ppl_diff) and got["ppl_diff"][1] > 0
 
 
 def test_a_smaller_slice_gives_a_lower_bound_of_the_kl(two_passes) -> None:
@@ -154,7 +156,7 @@ def test_nearest_and_farthest_are_decided_window_by_window(two_passes) -> None:
     extremes = result["extremes"]
     assert (extremes["nearest"], extremes["runner_up"]) == ("cpu.f32", "cpu.none")
     assert extremes["farthest"] == "cpu.none"
-    assert extremes["spread"]["verdict"] == "farther" and extremes["spread"]["n"] == 3
+    assert extremes["spread"]["verdict"] == "farther" and extremes["spread"]["n"] == 3  # blocks
     assert list(result["pairs"]) == ["cpu.f32 vs cpu.none"]
     # the teacher is the base of every pair it is in, as llama-perplexity's base is
     assert list(compare_text({"cpu.f32": near, "cpu.none": far}, None, "cpu.none")["pairs"]) == [
@@ -189,7 +191,7 @@ def test_the_report_names_no_nearest_when_the_windows_cannot_tell() -> None:
     from qdiff.report.sections.text import _extremes
 
     def ratio(verdict: str) -> dict:
-        return {"ratio": 1.1, "low": 0.9, "high": 1.3, "n": 4, "verdict": verdict}
+        return {"ratio": 1.1, "low": 0.9, "high": 1.3, "n": 4, "farther_on": 3, "verdict": verdict}
 
     said = _extremes(
         {
@@ -200,8 +202,11 @@ def test_the_report_names_no_nearest_when_the_windows_cannot_tell() -> None:
             "spread": ratio("farther"),
         }
     )
-    assert "`cpu.f32` and `cpu-fa.f32` are nearest the exact answer, indistinguishable" in said
-    assert "The farthest, `cpu.none`" in said
+    assert (
+        "`cpu.f32` has the smallest KLD from exact and `cpu-fa.f32` the next, and the two cannot be told apart"
+        in said
+    )
+    assert "The farthest, `cpu.none`" in said and "larger on 3 of 4 blocks" in said
     none = _extremes(
         {
             "nearest": "a",
@@ -211,7 +216,7 @@ def test_the_report_names_no_nearest_when_the_windows_cannot_tell() -> None:
             "spread": ratio("indistinguishable"),
         }
     )
-    assert none.startswith("No combination is nearer the exact answer than another")
+    assert none.startswith("The nearest and the farthest by KLD from exact, `a` and `c`, cannot")
 
 
 def test_two_models_compare_over_the_ids_both_kept(two_passes) -> None:
@@ -242,3 +247,22 @@ def test_two_models_compare_over_the_ids_both_kept(two_passes) -> None:
     assert got["kld"][0] < _llama_perplexity(base, other, tokens)["kld"][0]
     elsewhere = {**own, "window_tokens": np.ones((3, 8))}
     assert not against_reference_model({"x": elsewhere}, reference)["x"]["comparable"]
+
+
+def test_the_nearest_is_ranked_by_the_statistic_its_interval_tests() -> None:
+    """Ranked by the arithmetic mean, A (one bad block) would be the farthest while the
+    paired test over blocks puts it nearest: the ranking and the verdict must agree."""
+    from qdiff.compare.text import _block_means, _extremes
+
+    rows = {
+        "A": {"kld_by_block": [0.1] * 7 + [10.0]},
+        "B": {"kld_by_block": [0.6] * 8},
+        "C": {"kld_by_block": [0.7] * 8},
+    }
+    extremes = _extremes(rows)
+    assert (extremes["nearest"], extremes["farthest"]) == ("A", "C")
+    assert extremes["lead"]["ratio"] >= 1 and extremes["spread"]["ratio"] >= 1
+    # a window's 255 scored positions in 8 blocks of 31-32; blocks never span windows
+    values = np.arange(2 * 255, dtype=np.float64).reshape(2, 255)
+    means = _block_means(values, np.ones((2, 255), bool))
+    assert len(means) == 16 and means[7] < 255 <= means[8]

@@ -51,6 +51,7 @@ def body(job: jobs.Job) -> None:
         top_k=0 if emulating else snakemake.params.top_k,  # only the reference keeps top-k
         configs=configs,
         n_top=snakemake.params.get("n_top", 2),
+        keep_first=not scoring_text,
     )
     result = exact_stage(
         inputs,

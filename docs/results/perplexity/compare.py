@@ -26,6 +26,7 @@ LINES = {
     "Cor(ln(PPL(Q)), ln(PPL(base)))": ("cor_ln_ppl", None, 100),
     "Mean ln(PPL(Q)/PPL(base))": ("ln_ppl_ratio", 0, 1),
     "Mean PPL(Q)/PPL(base)": ("ppl_ratio", 0, 1),
+    "Mean PPL(Q)-PPL(base)": ("ppl_diff", 0, 1),
     "Mean    KLD": ("kld", 0, 1),
     "Maximum KLD": ("kld_percentiles", "100", 1),
     "99.9%   KLD": ("kld_percentiles", "99.9", 1),
@@ -143,9 +144,7 @@ def main(log_path: str, base_path: str, workdir: str) -> None:
         print(f"| {label.strip()} | {value:.6g} | {mine:.6g} | {mine - value:+.3g} |")
     tokens, logp, n_ctx = read_base(Path(base_path))
     base = load_arrays(work / "results/text" / MODEL / "cpu/f32/text.npz")
-    same_tokens = np.array_equal(
-        base["window_tokens"][:, 1:], tokens[: len(base["window_tokens"]), 1:]
-    )
+    same_tokens = np.array_equal(base["window_tokens"], tokens[: len(base["window_tokens"])])
     first = first_scored(n_ctx)
     targets = tokens[:, first + 1 :]
     stored = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
@@ -166,8 +165,8 @@ def main(log_path: str, base_path: str, workdir: str) -> None:
         + "."
     )
     print(
-        f"\nThe two tools read the same tokens (after each window's first, which both replace "
-        f"by BOS where the model adds one): **{same_tokens}**. llama-perplexity's stored base "
+        f"\nThe two tools read the same tokens: **{same_tokens}** (this model adds no BOS, so "
+        "neither replaced a window's first token). llama-perplexity's stored base "
         f"log-probability of each scored token against qdiff's float32 base pass: largest "
         f"difference {gap.max():.2e} nat, median {np.median(gap):.2e} (its uint16 step is "
         f"{float(np.median(np.ptp(logp, axis=-1))) / 65535:.2e} nat at the median position). "

@@ -6,7 +6,7 @@
 #
 #   docs/results/perplexity/validate.sh      (from the repository root, after ./setup)
 #
-# The build (about 4 minutes on 2 cores) goes to build/llama-perplexity; qdiff runs its own
+# The build (about 7 minutes on 2 cores) goes to build/llama-perplexity; qdiff runs its own
 # workflow in build/perplexity-qdiff with config.yaml, so results/ is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."

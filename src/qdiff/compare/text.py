@@ -13,8 +13,11 @@ has a binomial uncertainty. Two things differ by design:
   carries no mass. llama-perplexity sums over the tokens whose base log-probability is above
   -16 and stores the base's log-probabilities as uint16 (a rounding of about 2.4e-4 nat a
   step for a 16-nat range); qdiff keeps the logits in float32 (float64 for the exact answer).
-- "closer to exact" is decided by a paired ratio over windows with a bootstrap interval
-  (qdiff.compare.stats), not by two means side by side.
+- which combination is nearest the exact answer is decided by a paired ratio over blocks
+  of ``BLOCK`` consecutive scored positions (within a window) with a bootstrap interval
+  (qdiff.compare.stats), ranked by the same geometric mean: positions next to each other
+  are not independent, blocks nearly are, and the default's 4 windows are too few to
+  resample.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from typing import Any
 import numpy as np
 
 from qdiff.compare.forced import kl_with_tail, with_probabilities
-from qdiff.compare.stats import paired_ratio
+from qdiff.compare.stats import geometric_mean, paired_ratio
 
 # llama-perplexity's percentiles of KLD and of Δp (its "99.9%" is the 0.999 quantile)
 KLD_PERCENTILES = (100, 99.9, 99, 95, 90, 50, 10, 5, 1, 0.1, 0)
 P_DIFF_PERCENTILES = (100, 99.9, 99, 95, 90, 75, 50, 25, 10, 5, 1, 0.1, 0)
 TOP_N = (5, 10)  # the base's top-1 within the other's top 5, top 10
+BLOCK = 32  # scored positions a resampled block holds (about: a window's are split evenly)
 
 
 def mean_and_uncertainty(values: np.ndarray) -> tuple[float, float]:
@@ -64,6 +68,8 @@ def perplexity_stats(base: dict[str, np.ndarray], other: dict[str, np.ndarray]) 
     p_diff = np.exp(-nll) - np.exp(-nll_base)
     log_ppl, log_ppl_base = mean_and_uncertainty(nll), mean_and_uncertainty(nll_base)
     cov = _covariance(nll, nll_base)
+    ppl, ppl_base = _exp_of(log_ppl), _exp_of(log_ppl_base)
+    diff_var = ppl[1] ** 2 + ppl_base[1] ** 2 - 2 * ppl[0] * ppl_base[0] * cov
     ratio = log_ppl[0] - log_ppl_base[0]
     ratio_unc = float(np.sqrt(max(log_ppl[1] ** 2 + log_ppl_base[1] ** 2 - 2 * cov, 0.0)))
     mse = mean_and_uncertainty(p_diff * p_diff)
@@ -73,8 +79,9 @@ def perplexity_stats(base: dict[str, np.ndarray], other: dict[str, np.ndarray]) 
     leading = base["top_ids"][..., :1]
     return {
         "n": n,
-        "ppl": _exp_of(log_ppl),
-        "ppl_base": _exp_of(log_ppl_base),
+        "ppl": ppl,
+        "ppl_base": ppl_base,
+        "ppl_diff": [ppl[0] - ppl_base[0], float(np.sqrt(max(diff_var, 0.0)))],
         "cor_ln_ppl": cov / (log_ppl[1] * log_ppl_base[1])
         if log_ppl[1] * log_ppl_base[1]
         else None,
@@ -93,9 +100,21 @@ def perplexity_stats(base: dict[str, np.ndarray], other: dict[str, np.ndarray]) 
             for k in TOP_N
         },
         "identical_positions": int((base["digest"] == other["digest"])[scored].sum()),
-        # per window: what "closer to exact" is decided on (paired by window)
         "kld_by_window": [float(kld_grid[w][scored[w]].mean()) for w in range(scored.shape[0])],
+        # what "nearer the exact answer" is decided on, paired block by block
+        "kld_by_block": _block_means(kld_grid, scored),
     }
+
+
+def _block_means(values: np.ndarray, scored: np.ndarray) -> list[float]:
+    """Means of ``values`` over blocks of about BLOCK consecutive scored positions, each
+    window's split evenly (a block never spans two windows)."""
+    means = []
+    for w in range(values.shape[0]):
+        row = values[w][scored[w]]
+        for block in np.array_split(row, max(1, round(row.size / BLOCK))):
+            means.append(float(block.mean()))
+    return means
 
 
 def _exp_of(log_value: tuple[float, float]) -> list[float]:
@@ -188,18 +207,19 @@ def compare_text(
 
 
 def _extremes(vs_exact: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """The combinations nearest the exact answer, next nearest and farthest by mean KLD,
-    and how many times the next's and the farthest's KLD are the nearest's, window by
-    window (qdiff.compare.stats.paired_ratio)."""
+    """The combinations nearest the exact answer, next nearest and farthest, ranked by the
+    geometric mean of their KLD over blocks of positions, and how many times the next's and
+    the farthest's KLD are the nearest's, block by block (qdiff.compare.stats.paired_ratio:
+    ranked by the statistic it tests, the two never disagree)."""
     if len(vs_exact) < 2:
         return None
-    ranked = sorted(vs_exact, key=lambda label: vs_exact[label]["kld"][0])
-    by_window = {label: vs_exact[label]["kld_by_window"] for label in ranked}
+    by_block = {label: s["kld_by_block"] for label, s in vs_exact.items()}
+    ranked = sorted(by_block, key=lambda label: geometric_mean(by_block[label]))
     near, runner_up, far = ranked[0], ranked[1], ranked[-1]
     return {
         "nearest": near,
         "runner_up": runner_up,
         "farthest": far,
-        "lead": paired_ratio(by_window[near], by_window[runner_up]),
-        "spread": paired_ratio(by_window[near], by_window[far]),
+        "lead": paired_ratio(by_block[near], by_block[runner_up]),
+        "spread": paired_ratio(by_block[near], by_block[far]),
     }

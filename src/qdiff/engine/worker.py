@@ -434,7 +434,8 @@ def read_text(path: Path, sha256: str) -> str:
             f"{path} has sha256 {found}, not the configured text.sha256 {sha256}: "
             "fetch it again (./setup fetches the default text) or correct text.sha256",
         )
-    return data.decode("utf-8", errors="replace")
+    # llama-perplexity's -f drops one trailing newline (common/arg.cpp)
+    return data.decode("utf-8", errors="replace").removesuffix("\n")
 
 
 def _teacher_windows(spec: dict[str, Any]) -> dict[str, np.ndarray] | None:

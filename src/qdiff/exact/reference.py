@@ -23,12 +23,14 @@ def reference(
     top_k: int,
     layer_by_layer: bool = False,
     n_top: int = 2,
+    keep_first: bool = True,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The exact logits along the teacher's text: full-vocabulary first-step logits per
     prompt, and at every position the forced passes keep (the teacher's ``teacher_slices``
     token ids, or the exact top-``top_k`` without them) the same summaries as a forced pass
     (qdiff.compare.forced), in float64. The prompts' tokens are llama.cpp's, from the
-    teacher's run. ``layer_by_layer``: see ExactModel; ``n_top``: see ForcedRecorder."""
+    teacher's run. ``layer_by_layer``: see ExactModel; ``n_top``: see ForcedRecorder;
+    ``keep_first``: False leaves the first-step logits out (a text's windows need none)."""
     import time
 
     from qdiff.core.forced import ForcedRecorder
@@ -39,17 +41,19 @@ def reference(
     max_len = max((len(p["tokens"]) for p in prompts), default=0)
     k = teacher_slices.shape[-1] if teacher_slices is not None else min(top_k, exact.hp.n_vocab)
     recorder = ForcedRecorder(len(prompts), max_len, k, dtype=np.float64, n_top=n_top)
-    first = np.zeros((len(prompts), exact.hp.n_vocab))
+    first = np.zeros((len(prompts) if keep_first else 0, exact.hp.n_vocab))
     began = time.perf_counter()  # the weights are read and dequantized as the layers need them
     # the last forced token predicts nothing kept
     hidden = exact.hidden([p["prompt_tokens"] + p["tokens"][:-1] for p in prompts])
     for p, prompt in enumerate(prompts):
         tokens, forced = prompt["prompt_tokens"], prompt["tokens"]
         logits = exact.logits(hidden[p][len(tokens) - 1 :])
-        first[p] = logits[0]
+        if keep_first:
+            first[p] = logits[0]
         recorder.begin_prompt(p, len(tokens), forced)
-        for t in range(len(forced)):
-            recorder.add(p, t, logits[t], None if teacher_slices is None else teacher_slices[p, t])
+        recorder.add_rows(
+            p, logits[: len(forced)], None if teacher_slices is None else teacher_slices[p]
+        )
     forward_s = time.perf_counter() - began
     record = {
         "architecture": exact.hp.arch.name,
@@ -67,7 +71,7 @@ def reference(
         "peak_rss_mib": _peak_rss_mib(),
         "layer_by_layer": layer_by_layer,
     }
-    return record, {**recorder.arrays, "first_logits": first}
+    return record, {**recorder.arrays, **({"first_logits": first} if keep_first else {})}
 
 
 def emulate(
@@ -220,7 +224,13 @@ def main(argv: list[str]) -> int:
             record, arrays = emulate(Path(spec["model"]), run, spec["configs"], stream)
         else:
             record, arrays = reference(
-                Path(spec["model"]), run, slices, spec["top_k"], stream, spec.get("n_top", 2)
+                Path(spec["model"]),
+                run,
+                slices,
+                spec["top_k"],
+                stream,
+                spec.get("n_top", 2),
+                spec.get("keep_first", True),
             )
     except (UnsupportedArchitectureError, NotEmulatedError) as exc:
         write_json(out / ERROR_FILE, {"kind": "unsupported", "message": str(exc)})

@@ -32,6 +32,7 @@ class ExactInputs:
     # None for the exact reference itself
     configs: dict[str, dict[str, Any]] | None = None
     n_top: int = 2  # own leading tokens kept per position (qdiff.core.forced)
+    keep_first: bool = True  # each prompt's first step over the vocabulary (not for a text)
 
     def workload(self) -> Workload:
         """The rows of full-vocabulary logits the child holds at its peak, and the
@@ -83,6 +84,7 @@ def exact_stage(
             "teacher_data": str(inputs.forced_data) if inputs.forced_data else None,
             "top_k": inputs.top_k,
             "n_top": inputs.n_top,
+            "keep_first": inputs.keep_first,
             "configs": inputs.configs,
             "layer_by_layer": layer_by_layer,
             **{name: str(path) for name, path in made.items()},

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from qdiff.compare.stats import LEVEL
+from qdiff.compare.text import BLOCK
 from qdiff.core.records import failure_text
 from qdiff.core.stages import TEXT
 from qdiff.report.fmt import code, num, table, text
@@ -64,6 +65,8 @@ def _pct(pair: list[float]) -> str:
 
 
 def _row(stats: dict[str, Any]) -> dict[str, str]:
+    """A row of llama-perplexity's figures (no bit-identity: against float64 or another
+    model it means nothing; the pairs' table has it)."""
     return {
         "PPL": _pm(stats["ppl"], 5),
         "ln(PPL/PPL base)": _pm(stats["ln_ppl_ratio"]),
@@ -73,7 +76,6 @@ def _row(stats: dict[str, Any]) -> dict[str, str]:
         "RMS Δp": _pct(stats["p_diff_rms"]),
         "same top": _pct(stats["same_top"]),
         "top-1 in top 5": f"{100 * stats['top1_in_top5']:.2f} %",
-        "bit-identical positions": f"{stats['identical_positions']:,} of {stats['n']:,}",
     }
 
 
@@ -112,29 +114,31 @@ def _against_reference_model(reference: dict[str, Any] | None) -> str:
 
 
 def _extremes(extremes: dict[str, Any] | None) -> str:
-    """Nearest, next and farthest, each decided window by window with its interval."""
+    """Nearest, next and farthest, each pair decided block by block with its interval;
+    a sentence says no more than the pair it rests on."""
     if extremes is None:
         return ""
     near, nxt, far = (code(extremes[k]) for k in ("nearest", "runner_up", "farthest"))
     lead, spread = extremes["lead"], extremes["spread"]
     if spread["verdict"] == "indistinguishable":
         return (
-            f"No combination is nearer the exact answer than another on this text: the "
-            f"farthest by mean KLD, {far}, has {_ratio(spread)} that of the nearest, {near}."
+            f"The nearest and the farthest by KLD from exact, {near} and {far}, cannot be told "
+            f"apart on this text: {far}'s KLD is {_ratio(spread)} {near}'s."
         )
     first = (
-        f"{near} is nearest the exact answer, and {nxt} next: its KLD is {_ratio(lead)}"
-        if lead["verdict"] != "indistinguishable"
-        else f"{near} and {nxt} are nearest the exact answer, indistinguishable on this text "
-        f"(the second's KLD is {_ratio(lead)})"
+        f"{near} is nearest the exact answer: the next, {nxt}, has {_ratio(lead)} its KLD"
+        if lead["verdict"] == "farther"
+        else f"{near} has the smallest KLD from exact and {nxt} the next, and the two cannot "
+        f"be told apart on this text ({nxt}'s is {_ratio(lead)} {near}'s)"
     )
     return f"{first}. The farthest, {far}, has {_ratio(spread)} the nearest's KLD."
 
 
 def _ratio(r: dict[str, Any]) -> str:
     return (
-        f"{num(r['ratio'])} times (geometric mean over {r['n']} windows of the ratio, "
-        f"{LEVEL:.0%} bootstrap interval {num(r['low'])}-{num(r['high'])})"
+        f"{num(r['ratio'])} times (geometric mean of the ratio over {r['n']} blocks of about "
+        f"{BLOCK} positions, {LEVEL:.0%} bootstrap interval {num(r['low'])}-{num(r['high'])}; "
+        f"larger on {r['farther_on']} of {r['n']} blocks)"
     )
 
 
