@@ -357,13 +357,15 @@ def pipeline_against_floor(runs: Path, cores: int, repeat: int) -> None:
 
 
 def pipeline(args: argparse.Namespace, workdir: Path) -> None:
+    from qdiff.core.text import DEFAULT_TEXT
+
     config = experiment_config(args.config)
     full = workdir / "experiment"
     write_config(full, config)
-    texts = full / "resources/texts"  # the default text, which ./setup fetches
+    texts = full / DEFAULT_TEXT.parent  # the default text's folder, which ./setup fills
     if not texts.exists():
         texts.parent.mkdir(parents=True, exist_ok=True)
-        texts.symlink_to(REPO / "resources/texts")
+        texts.symlink_to(REPO / DEFAULT_TEXT.parent)
     print(f"experiment: {args.config} in {full}", flush=True)
     first, out = snakemake(full, args.cores)
     counts = job_counts(out)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from qdiff.core.text import DEFAULT_TEXT
 from qdiff.engine.quant import quantize
 from tinymodel import write_tiny_llama
 
@@ -225,7 +226,7 @@ def workspace(tmp_path: Path) -> Workspace:
 
 SETUP = "./setup && "  # what CI (.ci/run) and the user have run before any other command
 CLONE_FILES = ("Snakefile", "workflow", "config", "profiles", "envs")
-TEXTS = "resources/texts"  # the default text, which ./setup fetches
+TEXTS = DEFAULT_TEXT.parent  # the default text's folder, which ./setup fills
 
 
 def readme_commands() -> list[str]:

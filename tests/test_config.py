@@ -11,6 +11,7 @@ import yaml
 from conftest import REPO, Workspace, tiny_config
 from qdiff.core.config import ConfigError, check_config_files, load_experiment
 from qdiff.core.stages import CAPTURE, FORCED, RUN, SERVING, STAGES, TEXT
+from qdiff.core.text import DEFAULT_TEXT, DEFAULT_TEXT_SHA256
 
 GOOD = tiny_config(Path("/models/tiny.gguf"))
 
@@ -69,6 +70,14 @@ def test_the_long_generations_config_is_the_default_with_longer_texts() -> None:
     )
     assert long.generation["n_tokens"] == 256 and long.run_models == default.run_models
     assert long.all_combinations() == default.all_combinations()
+
+
+@pytest.mark.parametrize(
+    "name", ["config/config.yaml", "config/long.yaml", "docs/results/perplexity/config.yaml"]
+)
+def test_the_shipped_configs_score_the_text_setup_fetches(name: str) -> None:
+    text = yaml.safe_load((REPO / name).read_text())["text"]
+    assert (text["file"], text["sha256"]) == (str(DEFAULT_TEXT), DEFAULT_TEXT_SHA256)
 
 
 def test_defaults_are_filled_in() -> None:

@@ -73,9 +73,11 @@ N_CTX = 256  # the context llama_cpp_logits gives llama.cpp (past the tiny phi3'
 def exact_model(path: Path, roundings: Roundings | None = None) -> exact.ExactModel:
     """The engine for a file, with the context llama.cpp ran it in; on Gemma, with the GELU
     table emulated unless ``roundings`` say otherwise."""
+    model = exact.ExactModel(path, n_ctx=N_CTX)
     if roundings is None:
-        roundings = Roundings(gelu_table=exact.ExactModel(path).hp.arch.activation == "gelu")
-    return exact.ExactModel(path, roundings, n_ctx=N_CTX)
+        roundings = Roundings(gelu_table=model.hp.arch.activation == "gelu")
+    model.roundings = roundings
+    return model
 
 
 def gap(

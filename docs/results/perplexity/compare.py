@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qdiff.compare.forced import kl_with_tail, with_probabilities
+from qdiff.core.forced import log_sum_exp_rows
 from qdiff.core.io import load_arrays
 from qdiff.core.text import first_scored
 
@@ -93,15 +95,13 @@ def full_vocabulary(work: Path, windows: np.ndarray, base: dict, other: dict) ->
     for w, (lb, lq) in enumerate(zip(rows["dequant-f32.gguf"], rows["gguf"], strict=True)):
         same_bits &= all(digest(r) == d for r, d in zip(lb, base["digest"][w], strict=True))
         same_bits &= all(digest(r) == d for r, d in zip(lq, other["digest"][w], strict=True))
-        pb = lb.astype(np.float64)
-        pb -= pb.max(1, keepdims=True)
-        pb -= np.log(np.exp(pb).sum(1, keepdims=True))
-        pq = lq.astype(np.float64)
-        pq -= pq.max(1, keepdims=True)
-        pq -= np.log(np.exp(pq).sum(1, keepdims=True))
+        lse_b, lse_q = log_sum_exp_rows(lb), log_sum_exp_rows(lq)
+        pb = lb.astype(np.float64) - lse_b[:, None]  # log p = logit - lse, as qdiff keeps it
+        pq = lq.astype(np.float64) - lse_q[:, None]
         kld.extend((np.exp(pb) * (pb - pq)).sum(1))
+        order = np.argsort(-pb, axis=1)
         for k, bound in bounds.items():
-            bound.extend(_bounded(pb, pq, k))
+            bound.extend(_bounded((lb, lse_b), (lq, lse_q), order[:, :k]))
     del log
     values = np.array(kld)
     return {
@@ -113,13 +113,16 @@ def full_vocabulary(work: Path, windows: np.ndarray, base: dict, other: dict) ->
     }
 
 
-def _bounded(pb: np.ndarray, pq: np.ndarray, k: int) -> np.ndarray:
-    """KL over the base's top ``k`` tokens and one bucket for the rest, per position."""
-    ids = np.argsort(-pb, axis=1)[:, :k]
-    a, b = np.take_along_axis(pb, ids, 1), np.take_along_axis(pq, ids, 1)
-    rest_a = np.maximum(1 - np.exp(a).sum(1), 1e-300)
-    rest_b = np.maximum(1 - np.exp(b).sum(1), 1e-300)
-    return (np.exp(a) * (a - b)).sum(1) + rest_a * np.log(rest_a / rest_b)
+def _bounded(
+    base: tuple[np.ndarray, np.ndarray], other: tuple[np.ndarray, np.ndarray], ids: np.ndarray
+) -> np.ndarray:
+    """KL over the tokens ``ids`` (the base's top k) and one bucket for the rest, per
+    position, as the text stage bounds it: each side is its logits and their log-sum-exp."""
+    a, b = (
+        with_probabilities({"slice_logits": np.take_along_axis(logits, ids, 1), "lse": lse})
+        for logits, lse in (base, other)
+    )
+    return kl_with_tail(a, b)
 
 
 def main(log_path: str, base_path: str, workdir: str) -> None:

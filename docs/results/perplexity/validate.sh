@@ -15,6 +15,7 @@ BUILD=build/llama-perplexity
 WORK=build/perplexity-qdiff
 PY=.venv/bin/python
 CHUNKS=$($PY -c "import yaml; print(yaml.safe_load(open('$HERE/config.yaml'))['text']['windows'])")
+TEXT=$($PY -c "import yaml; print(yaml.safe_load(open('$HERE/config.yaml'))['text']['file'])")
 
 if [ ! -x "$BUILD/bin/llama-perplexity" ]; then
     mkdir -p build/src
@@ -35,7 +36,7 @@ ln -sfn "$PWD/resources/texts" "$WORK/resources/texts"
 MODEL=$WORK/resources/models/smollm2-135m-instruct.requant-q8_0
 # llama-perplexity as qdiff's `cpu` device runs: 2 threads, plain attention, no repacked
 # weights, one sequence of 512 tokens per batch
-ARGS=(-f resources/texts/macbeth.txt -c 512 -b 512 -ub 512 -t 2 -fa off --no-repack --chunks "$CHUNKS")
+ARGS=(-f "$TEXT" -c 512 -b 512 -ub 512 -t 2 -fa off --no-repack --chunks "$CHUNKS")
 "$BUILD/bin/llama-perplexity" -m "$MODEL.dequant-f32.gguf" "${ARGS[@]}" \
     --kl-divergence-base "$BUILD/base.kld" >"$HERE/llama-perplexity-base.log" 2>&1
 "$BUILD/bin/llama-perplexity" -m "$MODEL.gguf" "${ARGS[@]}" \

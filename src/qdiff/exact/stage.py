@@ -116,9 +116,10 @@ def _memory_plan(inputs: ExactInputs, max_memory_gib: float | None) -> tuple[int
         (max_memory_gib * GIB, "exact.max_memory_gib") if max_memory_gib else available_memory()
     )
     work = inputs.workload()
-    kept, by_layer = (memory_needed(inputs.model, work, stream) for stream in (False, True))
+    kept = memory_needed(inputs.model, work)
     if kept <= limit:
         return kept, False
+    by_layer = memory_needed(inputs.model, work, layer_by_layer=True)  # only when needed
     if by_layer <= limit:
         return by_layer, True
     raise StageError(
