@@ -418,3 +418,52 @@ def test_the_reports_first_findings_count_fork_sites_once() -> None:
     assert (
         "1 near ties in every pair that forks there, 1 with a red flag and 1 undetermined" in said
     )
+
+
+QUANTIZED_APART = {  # every pair 1.0 apart at the first step, but the f32 copies' 0.02
+    ("cpu.none", "gpu.none"): 1.0,
+    ("cpu.none", "cpu.f32"): 1.0,
+    ("cpu.none", "gpu.f32"): 1.0,
+    ("cpu.f32", "gpu.none"): 1.0,
+    ("gpu.none", "gpu.f32"): 1.0,
+    ("cpu.f32", "gpu.f32"): 0.02,
+}
+
+
+def generating(records: list[dict], parts: dict[str, int], k: int = 6) -> list[dict]:
+    """Each record generates the same 20 tokens from each of 10 prompts, except that the
+    combinations in ``parts`` change their token at that position on the first ``k``."""
+    for r in records:
+        at = parts.get(f"{r['device']}.{r['dequant']}")
+        r["generation"] = {"n_tokens": 20}
+        r["prompts"] = [
+            {"id": f"p{i}", "tokens": [999 if t == at and i < k else t for t in range(20)]}
+            for i in range(10)
+        ]
+    return records
+
+
+def test_a_tiny_first_step_difference_whose_texts_part_early_is_a_finding() -> None:
+    """The f32 copies are 0.02 apart, a fiftieth of the other pairs' 1.0, yet their texts
+    part on 6 of 10 prompts at token 1 of 20: the finding names the pair and its numbers."""
+    records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
+    found = diagnose(generating(records, {"gpu.f32": 1}), pairs)
+    (f,) = [f for f in found if f.rule == "tiny-yet-parts-early"]
+    assert f.text.startswith("`cpu.f32` vs `gpu.f32`: first-step max |Δ| 0.02 (worst prompt)")
+    assert "against a median of 1 over the model's 5 other pairs" in f.text
+    assert "part on 6 of these 10 prompts (95% Wilson interval 31%–83%)" in f.text
+    assert "median divergence index of 1 of at most 20 tokens generated" in f.text
+    assert "at most 10% of the other pairs' median" in f.text and "at least 50%" in f.text
+    assert f.numbers["median_index"] == 1 and f.numbers["diverged"] == 6
+
+
+def test_no_finding_when_the_texts_part_late_rarely_or_after_a_large_difference() -> None:
+    records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
+    for parts, k in (
+        ({"gpu.f32": 15}, 6),  # late: at 15 of 20
+        ({"gpu.f32": 1}, 4),  # early but on 4 of 10 prompts only
+        ({"gpu.none": 1}, 6),  # early and often, but 1.0 apart: not tiny
+    ):
+        found = diagnose(generating(records, parts, k), pairs)
+        assert "tiny-yet-parts-early" not in rules(found), parts
+    assert "tiny-yet-parts-early" not in rules(diagnose(records[:2], pairs[:1]))  # no others

@@ -5,6 +5,7 @@ hand-made generations whose answers are known."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,9 +14,13 @@ from qdiff.compare.generations import (
     Generated,
     common_prefix,
     divergence_index,
+    generation_cap,
+    generations_of,
     model_stats,
+    most_parted_first,
     prompt_stats,
 )
+from qdiff.report.figures import divergence_strips
 from qdiff.report.sections.generations import generations
 from qdiff.report.view import ModelView
 
@@ -139,3 +144,33 @@ def test_the_report_section_names_the_pairs_that_diverge_first() -> None:
 def test_fewer_than_two_combinations_compare_nothing() -> None:
     view = ModelView("m", {"run": [run("cpu", {"a": [1]})]}, [])
     assert generations(view) == "_Fewer than two combinations generated: nothing to compare._"
+
+
+def test_the_section_draws_where_each_pairs_texts_part(tmp_path: Path) -> None:
+    """With plots on, the section links a divergence plot of every pair, written as a PNG;
+    the pairs that part most often come first (most_parted_first, the table's order)."""
+    runs = [
+        run("cpu", {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}),
+        run("cpu-fa", {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}),
+        run("cuda", {"a": [1, 9, 3, 4], "b": [5, 6, 2]}),
+    ]
+    view = ModelView("m", {"run": runs}, [], plot_dir=tmp_path)
+    text = generations(view)
+    assert "![divergence indices per pair](plots/m.divergence.png)" in text
+    assert "for each pair (in the table's order)" in text
+    png = tmp_path / "m.divergence.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    s = model_stats({label: generations_of(r) for label, r in zip("xyz", runs, strict=True)})
+    assert [pair for pair, _ in most_parted_first(s["pairs"])] == [
+        ("x", "z"),
+        ("y", "z"),
+        ("x", "y"),
+    ]
+    assert generation_cap(runs) == 4 and generation_cap([{}]) is None
+
+
+def test_a_pair_that_never_parts_is_drawn_as_such(tmp_path: Path) -> None:
+    """No pair parts: the figure still draws, every prompt counted as not parted."""
+    path = tmp_path / "never.png"
+    divergence_strips({"a vs b": ([], 3), "a vs c": ([0, 0, 2], 4)}, None, path, "t")
+    assert path.stat().st_size > 5000

@@ -266,3 +266,34 @@ def test_the_nearest_is_ranked_by_the_statistic_its_interval_tests() -> None:
     values = np.arange(2 * 255, dtype=np.float64).reshape(2, 255)
     means = _block_means(values, np.ones((2, 255), bool))
     assert len(means) == 16 and means[7] < 255 <= means[8]
+
+
+def test_the_section_draws_delta_p_percentiles_against_exact(two_passes, tmp_path) -> None:
+    """Every combination's Δp percentiles against exact, 1 to 99, drawn in the section as a
+    PNG (symmetric-log, or linear when every percentile is 0); none without exact."""
+    from qdiff.report import figures
+    from qdiff.report.sections.text import DELTA_P_LEVELS, section
+    from qdiff.report.view import ModelView
+
+    base, other, tokens = two_passes
+    exact = _pass(base, tokens, 50)
+    passes = {"cpu.f32": exact, "cpu.none": _pass(other, tokens, 50, exact["slice_ids"])}
+    result = {
+        **compare_text(passes, exact),
+        "status": "ok",
+        **{"n_text_tokens": 90, "n_windows": 3, "n_scored": 60, "n_ctx": 40, "top_k": 50},
+        **{"teacher": "cpu.f32", "not_run": {}},
+    }
+    view = ModelView("m", {"text": [{"status": "ok"}]}, [], text=result, plot_dir=tmp_path)
+    said = section(view)
+    assert "![Δp percentiles against exact](plots/m.delta-p.png)" in said
+    assert (tmp_path / "m.delta-p.png").stat().st_size > 5000
+    assert DELTA_P_LEVELS == [1, 5, 10, 25, 50, 75, 90, 95, 99]
+    assert "m.delta-p.png" not in section(ModelView("m", view.stages, [], text=result))  # no plots
+    without_exact = {**result, "vs_exact": {}, "extremes": None, "exact_status": "off"}
+    assert "delta-p" not in section(
+        ModelView("m", view.stages, [], text=without_exact, plot_dir=tmp_path / "x")
+    )
+    zero = tmp_path / "zero.png"
+    figures.delta_p_percentiles({"cpu.f32": [0.0] * 9}, DELTA_P_LEVELS, zero, "bit-identical")
+    assert zero.stat().st_size > 5000

@@ -88,6 +88,14 @@ def pair_stats(a: dict[str, Generated], b: dict[str, Generated]) -> dict[str, An
     }
 
 
+def most_parted_first(
+    pairs: dict[tuple[str, str], dict[str, Any]],
+) -> list[tuple[tuple[str, str], dict[str, Any]]]:
+    """A model's pairs (pair_stats), those whose texts part on the largest share of
+    prompts first; ties in matrix order."""
+    return sorted(pairs.items(), key=lambda kv: -kv[1]["diverged"] / max(kv[1]["n_prompts"], 1))
+
+
 def model_stats(runs: dict[str, dict[str, Generated]]) -> dict[str, Any]:
     """Every combination of a model (label -> prompt id -> its generation): per prompt that
     all of them generated from, and their means over those prompts (Yuan's Avg_...)."""
@@ -117,6 +125,13 @@ def model_stats(runs: dict[str, dict[str, Generated]]) -> dict[str, Any]:
 
 def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
+
+
+def generation_cap(records: Sequence[dict[str, Any]]) -> int | None:
+    """The most tokens a run generated per prompt (``generation.n_tokens``; the largest of
+    the runs'), or None when no run records it."""
+    caps = [r.get("generation", {}).get("n_tokens") for r in records]
+    return max((c for c in caps if c is not None), default=None)
 
 
 def generations_of(record: dict[str, Any]) -> dict[str, Generated]:

@@ -18,7 +18,15 @@ PAIR_SEPARATOR = "__"  # device names may not contain it (config.SAFE_NAME)
 # The report's plots, ``<model>.<kind>[.<detail>].png``: the report draws them, the workflow
 # flags them for Snakemake's report by this pattern (model names contain dots, so the model
 # is everything before a known kind).
-PLOT_KINDS = ("heatmap", "largest-pair", "forced-positions", "depth", "budget")
+PLOT_KINDS = (
+    "heatmap",
+    "largest-pair",
+    "forced-positions",
+    "depth",
+    "budget",
+    "divergence",
+    "delta-p",
+)
 PLOT_PATTERN = "{model}.{plot,(" + "|".join(PLOT_KINDS) + r")(\..+)?}.png"
 
 

@@ -19,6 +19,10 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
   tie, a red flag or undetermined. Forks are counted per pair and, since many pairs fork at
   the same place, by distinct site (prompt, position); a site counts as a near tie only when
   every pair that forks there is one.
+- ``tiny-yet-parts-early``: a pair whose first-step max |Δ| is at most ``TINY`` of the median
+  over the model's other pairs, yet whose free-running texts (qdiff.compare.generations) part
+  on at least ``PARTED`` of the prompts at a median divergence index within ``EARLY`` of
+  ``generation.n_tokens``: the share with its Wilson interval, and the median index.
 
 With the exact answer of the weights (qdiff.exact, qdiff.compare.distance):
 
@@ -43,8 +47,11 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
 
+import numpy as np
+
 from qdiff.compare.budget import verdict
 from qdiff.compare.forced import MIN_SCALE_POSITIONS, TIE_FACTOR
+from qdiff.compare.generations import generation_cap, generations_of, pair_stats
 from qdiff.compare.pairs import headline
 from qdiff.compare.stats import LEVEL, paired_ratio
 from qdiff.core import markdown
@@ -53,6 +60,9 @@ from qdiff.core.labels import Combination, Pair
 
 AMPLIFICATION = 10.0
 COMPARABLE = 0.5
+TINY = 0.1  # a first-step max |Δ| at most this share of the other pairs' median is tiny
+PARTED = 0.5  # texts part early: on at least this share of the prompts,
+EARLY = 0.25  # at a median divergence index within this share of generation.n_tokens
 Key = tuple[str, str]  # (device, dequant)
 
 
@@ -317,6 +327,58 @@ def _forks(pairs: list[dict[str, Any]]) -> list[Finding]:
     return findings
 
 
+def _tiny_yet_parts_early(m: Matrix) -> list[Finding]:
+    """Pairs whose first-step difference is tiny against the model's other pairs, yet whose
+    free-running texts part on many prompts, early."""
+    cap = generation_cap(list(m.records.values()))
+    if cap is None:
+        return []
+    runs = {Combination("", *key).label: generations_of(r) for key, r in m.records.items()}
+    findings = []
+    for p in m.pairs.values():
+        others = [headline(q) for q in m.pairs.values() if q is not p]
+        if not others or p["a"] not in runs or p["b"] not in runs:
+            continue
+        median = float(np.median(others))
+        s = pair_stats(runs[p["a"]], runs[p["b"]])
+        if median > 0 and headline(p) <= TINY * median and _parts_early(s, cap):
+            findings.append(_tiny_yet_parted(p, s, median, len(others), cap))
+    return findings
+
+
+def _parts_early(s: dict[str, Any], cap: int) -> bool:
+    """On at least PARTED of the prompts, at a median divergence index within EARLY of cap."""
+    n = s["n_prompts"]
+    return n > 0 and s["diverged"] >= PARTED * n and s["median_index"] <= EARLY * cap
+
+
+def _tiny_yet_parted(
+    p: dict[str, Any], s: dict[str, Any], median: float, n_others: int, cap: int
+) -> Finding:
+    x, n = headline(p), s["n_prompts"]
+    text = (
+        f"`{p['a']}` vs `{p['b']}`: first-step max |Δ| {_fmt(x)} (worst prompt), against a "
+        f"median of {_fmt(median)} over the model's {plural(n_others, 'other pair')}; yet "
+        f"their free-running texts part on {s['diverged']} of these {n} prompts ({LEVEL:.0%} "
+        f"Wilson interval {s['share_low']:.0%}–{s['share_high']:.0%}), at a median divergence "
+        f"index of {s['median_index']:g} of at most {cap} tokens generated. On these prompts, "
+        "a first-step difference this small did not keep the texts together (the rule: a "
+        f"first-step max |Δ| at most {TINY:.0%} of the other pairs' median, texts that part on "
+        f"at least {PARTED:.0%} of the prompts at a median index within the first "
+        f"{EARLY:.0%} of the tokens generated)."
+    )
+    numbers = {
+        "max_abs": x,
+        "others_median": median,
+        "diverged": s["diverged"],
+        "n_prompts": n,
+        "share_low": s["share_low"],
+        "share_high": s["share_high"],
+        "median_index": s["median_index"],
+    }
+    return Finding("tiny-yet-parts-early", text, numbers)
+
+
 # settings whose one side looks more precise than the other: (key, more precise, less precise)
 _MORE_PRECISE = [
     *(("dequant", "f32", other) for other in ("none", "f16", "bf16")),
@@ -565,6 +627,7 @@ def diagnose(
             )
         findings += found
     findings += _forks(pairs)
+    findings += _tiny_yet_parts_early(m)
     if m.exact:
         for rule in (_float_path, _error_budget, _closer_to_exact, _more_precise_not_closer):
             findings += rule(m, m.exact)

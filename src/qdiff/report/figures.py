@@ -143,3 +143,65 @@ def budget_bars(rows: dict[str, list[tuple[str, float]]], path: Path, title: str
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def divergence_strips(
+    rows: dict[str, tuple[list[int], int]], cap: int | None, path: Path, title: str
+) -> None:
+    """Per pair (a row each, the first on top): the divergence index of every prompt whose
+    texts part (marker area ∝ prompts at that index) and, in a panel beside it, how many of
+    its prompts did not part within the generated length; ``rows``: pair -> (divergence
+    indices, prompts compared)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (ax, kept) = plt.subplots(
+        1,
+        2,
+        figsize=(8.5, 0.32 * len(rows) + 1.5),
+        sharey=True,
+        gridspec_kw={"width_ratios": [5, 1]},
+    )
+    for y, (indices, _) in enumerate(rows.values()):
+        at, prompts = np.unique(np.asarray(indices, dtype=int), return_counts=True)
+        ax.scatter(at, np.full(at.size, y), s=20 * prompts, color="#3b6ea8", alpha=0.8)
+    never = [n - len(indices) for indices, n in rows.values()]
+    kept.barh(range(len(rows)), never, color="#999999")
+    for y, ((_, n), k) in enumerate(zip(rows.values(), never, strict=True)):
+        kept.text(k, y, f" {k}/{n}", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), list(rows), fontsize=7)
+    ax.invert_yaxis()  # shared: the first pair on top in both panels
+    if cap:
+        ax.set_xlim(-1, cap)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("divergence index: first token that differs (marker area ∝ prompts)")
+    kept.set_xlim(0, max(max(never, default=0), 1) * 1.6)  # room for the labels
+    kept.set_xticks([])  # each bar is labelled
+    kept.set_xlabel("did not part")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def delta_p_percentiles(
+    lines: dict[str, list[float]], levels: list[float], path: Path, title: str
+) -> None:
+    """Percentiles of Δp (in percentage points), one line per combination over ``levels``
+    (ascending); symmetric-log y from the decade of the smallest outermost percentile, so
+    that small and large spreads both show."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = list(range(len(levels)))
+    for name, values in lines.items():
+        ax.plot(x, [100 * v for v in values], marker="o", markersize=3, label=name)
+    ax.axhline(0, color="grey", lw=0.6)
+    tails = [abs(100 * v) for values in lines.values() for v in (values[0], values[-1]) if v]
+    if tails:
+        ax.set_yscale("symlog", linthresh=float(10 ** np.floor(np.log10(min(tails)))))
+    ax.set_xticks(x, [f"{q:g}" for q in levels])
+    ax.set_xlabel("percentile over the scored positions")
+    ax.set_ylabel("Δp, percentage points")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

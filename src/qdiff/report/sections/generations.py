@@ -5,9 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from qdiff.compare.generations import generations_of, model_stats
+from qdiff.compare.generations import (
+    generation_cap,
+    generations_of,
+    model_stats,
+    most_parted_first,
+)
 from qdiff.compare.pairs import label
 from qdiff.compare.stats import LEVEL
+from qdiff.report import figures
 from qdiff.report.fmt import code, num, table
 from qdiff.report.view import ModelView
 
@@ -34,10 +40,8 @@ def generations(view: ModelView) -> str:
         f"prompts gave one text everywhere; Avg_Std@Output_Length {num(s['avg_std_output_length'])} "
         f"tokens; Avg_Std@top1_prob {_top1(s)}; {_lengths(view)}."
     )
-    rows = [_pair_row(a, b, p) for (a, b), p in s["pairs"].items()]
-    rows.sort(key=lambda row: -row["_diverged"])
-    for row in rows:
-        del row["_diverged"]
+    ranked = most_parted_first(s["pairs"])
+    rows = [_pair_row(a, b, p) for (a, b), p in ranked]
     per_prompt = [
         {
             "prompt": code(pid),
@@ -48,20 +52,42 @@ def generations(view: ModelView) -> str:
         }
         for pid, p in s["per_prompt"].items()
     ]
-    return "\n\n".join(
-        [LEGEND.format(level=LEVEL), head, table(rows), "Per prompt:", table(per_prompt)]
-    )
+    parts = [LEGEND.format(level=LEVEL), head, table(rows), _divergence_plot(view, ranked)]
+    return "\n\n".join([p for p in parts if p] + ["Per prompt:", table(per_prompt)])
 
 
 def _pair_row(a: str, b: str, p: dict[str, Any]) -> dict[str, Any]:
     indices = p["indices"]
     return {
-        "_diverged": p["diverged"] / max(p["n_prompts"], 1),
         "pair": f"{code(a)} vs {code(b)}",
         "diverged": f"{p['diverged']}/{p['n_prompts']} ({p['share_low']:.0%}–{p['share_high']:.0%})",
         "divergence index, median": num(p["median_index"]) if indices else "–",
         "divergence indices": ", ".join(map(str, indices)) or "none",
     }
+
+
+MAX_PLOTTED = 20  # pairs in the divergence plot: those whose texts part most often
+
+
+def _divergence_plot(view: ModelView, ranked: list[tuple[tuple[str, str], dict[str, Any]]]) -> str:
+    """Where each pair's texts part, prompt by prompt, and how many did not part."""
+    path = view.plot("divergence")
+    if path is None:
+        return ""
+    shown = ranked[:MAX_PLOTTED]
+    rows = {f"{a} vs {b}": (p["indices"], p["n_prompts"]) for (a, b), p in shown}
+    title = f"{view.model}: where the free-running texts part"
+    figures.divergence_strips(rows, generation_cap(view.ok), path, title)
+    which = (
+        f"the {len(shown)} of {len(ranked)} pairs whose texts part most often"
+        if len(shown) < len(ranked)
+        else "each pair"
+    )
+    return (
+        f"The divergence index of every prompt whose texts part, for {which} (in the table's "
+        "order), and how many prompts did not part within the generated length:\n\n"
+        + view.link(path, "divergence indices per pair")
+    )
 
 
 def _top1(s: dict[str, Any]) -> str:
@@ -78,6 +104,6 @@ def _top1(s: dict[str, Any]) -> str:
 def _lengths(view: ModelView) -> str:
     """How long the generations were: the cap, and how many ended before it."""
     prompts = [p for r in view.ok for p in r.get("prompts", [])]
-    cap = view.ok[0].get("generation", {}).get("n_tokens")
+    cap = generation_cap(view.ok)
     ended = sum(bool(p.get("stopped_at_eog")) for p in prompts)
     return f"at most {cap} tokens each, {ended} of {len(prompts)} generations ended before"

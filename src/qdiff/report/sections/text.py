@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from qdiff.compare.stats import LEVEL
-from qdiff.compare.text import BLOCK
+from qdiff.compare.text import BLOCK, P_DIFF_PERCENTILES
 from qdiff.core.records import failure_text
 from qdiff.core.stages import TEXT
+from qdiff.report import figures
 from qdiff.report.fmt import code, num, table, text
 from qdiff.report.view import ModelView
 
@@ -38,6 +39,7 @@ def section(view: ModelView) -> str:
         _source(result),
         LEGEND.format(n_ctx=result["n_ctx"], top_k=result["top_k"]),
         _against_exact(result),
+        _delta_p_plot(view, result["vs_exact"]),
         _against_reference_model(result.get("reference_model")),
         _pairs(result),
         _not_run(result),
@@ -92,6 +94,28 @@ def _against_exact(result: dict[str, Any]) -> str:
         f"the base:"
     )
     return "\n\n".join([head, table(rows), _extremes(result["extremes"])])
+
+
+# the Δp percentiles plotted: those compare_text keeps from 1 to 99 (beyond, single positions)
+DELTA_P_LEVELS = sorted(float(q) for q in P_DIFF_PERCENTILES if 1 <= q <= 99)
+
+
+def _delta_p_plot(view: ModelView, vs_exact: dict[str, Any]) -> str:
+    """Δp's percentiles, every combination against the exact answer, one line each."""
+    path = view.plot("delta-p")
+    if path is None or not vs_exact:
+        return ""
+    lines = {
+        label: [s["p_diff_percentiles"][f"{q:g}"] for q in DELTA_P_LEVELS]
+        for label, s in vs_exact.items()
+    }
+    title = f"{view.model}: Δp along the text\nagainst the exact answer"
+    figures.delta_p_percentiles(lines, DELTA_P_LEVELS, path, title)
+    return (
+        "Percentiles of Δp over the scored positions, each combination's probability of the "
+        "text's token minus the exact answer's (symmetric-log scale):\n\n"
+        + view.link(path, "Δp percentiles against exact")
+    )
 
 
 def _against_reference_model(reference: dict[str, Any] | None) -> str:
