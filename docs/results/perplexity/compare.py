@@ -2,7 +2,9 @@
 each tool, and what llama-perplexity stored of its base (uint16 log-probabilities) against
 qdiff's float32 base pass at the same positions.
 
-    compare.py LLAMA_PERPLEXITY_KLD_LOG BASE_KLD_FILE QDIFF_WORKDIR > comparison.md
+    compare.py LLAMA_PERPLEXITY_KLD_LOG BASE_KLD_FILE QDIFF_WORKDIR MODEL > comparison.md
+
+MODEL is the config's model (its file Q against its f32 copy, the base).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +22,6 @@ from qdiff.core.forced import log_sum_exp_rows
 from qdiff.core.io import load_arrays
 from qdiff.core.text import first_scored
 
-MODEL = "smollm2-135m-instruct.requant-q8_0"
 KEPT = (64, 256, 1024, 4096)  # tokens kept, for the bound's share of the full KL
 # llama-perplexity's line label -> (qdiff's statistic, index or percentile key, scale)
 LINES = {
@@ -72,11 +74,14 @@ def read_base(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
     return tokens, logp, int(n_ctx)
 
 
-def full_vocabulary(work: Path, windows: np.ndarray, base: dict, other: dict) -> dict[str, float]:
+def full_vocabulary(
+    work: Path, model: str, windows: np.ndarray, base: dict, other: dict
+) -> dict[str, Any]:
     """Both files scored again along the same windows with qdiff's own llama.cpp calls (the
     text stage's ``LoadedModel.score``, the `cpu` device's settings), every logit kept: the
     KL divergence over the whole vocabulary in float64, which neither tool stores, and
-    whether these logits are bit for bit the text stage's (its digests)."""
+    whether these logits are bit for bit the text stage's (its digests); and the model's
+    BOS, where it adds one."""
     from qdiff.core.forced import digest
     from qdiff.core.settings import DeviceSettings
     from qdiff.core.text import split
@@ -85,11 +90,12 @@ def full_vocabulary(work: Path, windows: np.ndarray, base: dict, other: dict) ->
 
     log = init_backend(work / "full-vocabulary-errors.txt")
     device = DeviceSettings.from_config({"backend": "cpu", "threads": 2})
-    rows = {}
+    rows, bos = {}, None
     for name in ("dequant-f32.gguf", "gguf"):
-        path = work / "resources/models" / f"{MODEL}.{name}"
+        path = work / "resources/models" / f"{model}.{name}"
         with LoadedModel(path, device, int(windows.shape[1])) as loaded:
             rows[name] = [loaded.score(list(w), len(split(list(w))[0]) - 1)[:-1] for w in windows]
+            bos = loaded.bos_added()
     kld, same_bits = [], True
     bounds: dict[int, list[float]] = {k: [] for k in KEPT}
     for w, (lb, lq) in enumerate(zip(rows["dequant-f32.gguf"], rows["gguf"], strict=True)):
@@ -110,6 +116,7 @@ def full_vocabulary(work: Path, windows: np.ndarray, base: dict, other: dict) ->
         "max": float(values.max()),
         "bit_identical": bool(same_bits),
         "bound_share": {k: float(np.mean(v) / values.mean()) for k, v in bounds.items()},
+        "bos": bos,
     }
 
 
@@ -125,14 +132,14 @@ def _bounded(
     return kl_with_tail(a, b)
 
 
-def main(log_path: str, base_path: str, workdir: str) -> None:
+def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
     work = Path(workdir)
     theirs = llama_perplexity_stats(Path(log_path).read_text())
-    text = json.loads((work / f"results/compare/{MODEL}.text.json").read_text())
+    text = json.loads((work / f"results/compare/{model}.text.json").read_text())
     ours = text["pairs"]["cpu.f32 vs cpu.none"]  # the f32 copy, the teacher, as the base
     print("# qdiff's text statistics against llama-perplexity's\n")
     print(
-        f"The write-up's Q8_0 file (Q) against its f32 copy (base), {text['n_windows']} windows "
+        f"`{model}.gguf` (Q) against its f32 copy (base), {text['n_windows']} windows "
         f"of {text['n_ctx']} tokens of Macbeth ({ours['n']:,} positions scored), on one CPU "
         "device (2 threads, no flash attention, no repacked weights). llama-perplexity built "
         "from the llama.cpp source llama-cpp-python 0.3.36 vendors (`validate.sh`). qdiff's KLD "
@@ -146,16 +153,28 @@ def main(log_path: str, base_path: str, workdir: str) -> None:
         mine = mine * scale
         print(f"| {label.strip()} | {value:.6g} | {mine:.6g} | {mine - value:+.3g} |")
     tokens, logp, n_ctx = read_base(Path(base_path))
-    base = load_arrays(work / "results/text" / MODEL / "cpu/f32/text.npz")
-    same_tokens = np.array_equal(base["window_tokens"], tokens[: len(base["window_tokens"])])
+    base = load_arrays(work / "results/text" / model / "cpu/f32/text.npz")
+    ours_tokens = base["window_tokens"]
     first = first_scored(n_ctx)
     targets = tokens[:, first + 1 :]
     stored = np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     gap = np.abs(stored - base["forced_logprob"])
     # a token more than 16 nats below the most likely one is stored at that floor
     floor = (logp.min(axis=-1) - base["forced_logprob"]) > 1e-3
-    other = load_arrays(work / "results/text" / MODEL / "cpu/none/text.npz")
-    full = full_vocabulary(work, base["window_tokens"], base, other)
+    other = load_arrays(work / "results/text" / model / "cpu/none/text.npz")
+    full = full_vocabulary(work, model, ours_tokens, base, other)
+    # llama-perplexity's file keeps each window's own first token, which it replaces with
+    # the BOS while decoding where the model adds one (kl_divergence); qdiff keeps the BOS
+    theirs_tokens = tokens[: len(ours_tokens)].copy()
+    if full["bos"] is not None:
+        theirs_tokens[:, 0] = full["bos"]
+    same_tokens = np.array_equal(ours_tokens, theirs_tokens)
+    bos_said = (
+        f"this model adds a BOS (id {full['bos']}): both decode it in place of each window's "
+        "first token"
+        if full["bos"] is not None
+        else "this model adds no BOS, so neither replaced a window's first token"
+    )
     print(
         f"\nOver the whole vocabulary, in float64 (both files scored again with the text "
         f"stage's own calls, every logit kept; bit for bit the text stage's logits: "
@@ -168,8 +187,8 @@ def main(log_path: str, base_path: str, workdir: str) -> None:
         + "."
     )
     print(
-        f"\nThe two tools read the same tokens: **{same_tokens}** (this model adds no BOS, so "
-        "neither replaced a window's first token). llama-perplexity's stored base "
+        f"\nThe two tools read the same tokens: **{same_tokens}** ({bos_said}). "
+        "llama-perplexity's stored base "
         f"log-probability of each scored token against qdiff's float32 base pass: largest "
         f"difference {gap.max():.2e} nat, median {np.median(gap):.2e} (its uint16 step is "
         f"{float(np.median(np.ptp(logp, axis=-1))) / 65535:.2e} nat at the median position). "
