@@ -73,7 +73,14 @@ def test_the_long_generations_config_is_the_default_with_longer_texts() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["config/config.yaml", "config/long.yaml", "docs/results/perplexity/config.yaml"]
+    "name",
+    [
+        "config/config.yaml",
+        "config/long.yaml",
+        "docs/results/perplexity/config.yaml",
+        "docs/results/perplexity/config-gemma.yaml",
+        "docs/results/seed-long/config.yaml",
+    ],
 )
 def test_the_shipped_configs_score_the_text_setup_fetches(name: str) -> None:
     text = yaml.safe_load((REPO / name).read_text())["text"]

@@ -8,7 +8,7 @@ import pytest
 
 from qdiff.compare.forced import with_probabilities
 from qdiff.compare.text import compare_text, mean_and_uncertainty, perplexity_stats
-from qdiff.core.forced import ForcedRecorder, log_sum_exp, log_sum_exp_rows
+from qdiff.core.forced import ForcedRecorder, leading_ids, log_sum_exp, log_sum_exp_rows, top_ids
 from qdiff.core.text import as_run, split, windows
 
 
@@ -183,6 +183,32 @@ def test_rows_are_recorded_as_one_by_one() -> None:
     for t in range(20):
         one.add(0, t, rows[t], None)
     many.add_rows(0, rows, None)
+    for key, value in one.arrays.items():
+        assert np.array_equal(value, many.arrays[key], equal_nan=True), key
+
+
+def test_rows_at_the_teachers_ids_are_recorded_as_one_by_one() -> None:
+    """Each row's own leading ids read from the teacher's slice equal a whole-row ranking,
+    also where a leading token lies outside the slice, ties straddle it, or a logit is NaN."""
+    rng = np.random.default_rng(6)
+    rows = (rng.standard_normal((24, 300)) * 4).astype(np.float32)
+    near = rows + rng.standard_normal(rows.shape).astype(np.float32)  # a teacher, not the rows
+    ids = np.stack([top_ids(r, 16) for r in near])
+    outside = next(i for i in range(300) if i not in ids[3])
+    rows[3, outside] = rows[3].max() + 1  # the top-1 outside the slice
+    rows[5, ids[5, 4]] = rows[5, ids[5, 0]]  # a tie inside the slice
+    tenth = np.sort(rows[7, ids[7]])[-10]
+    rows[7, next(i for i in range(300) if i not in ids[7])] = tenth  # a tie across its edge
+    rows[9, ids[9, 2]] = np.nan
+    expected = np.stack([top_ids(r, 10) for r in rows])
+    assert np.array_equal(leading_ids(rows, ids, 10), expected)
+    assert np.array_equal(leading_ids(rows, ids[:, :8], 10), expected)  # slice too small
+    one, many = (ForcedRecorder(1, 24, 16, n_top=10) for _ in range(2))
+    for rec in (one, many):
+        rec.begin_prompt(0, 1, list(range(24)))
+    for t in range(24):
+        one.add(0, t, rows[t], ids[t])
+    many.add_rows(0, rows, ids)
     for key, value in one.arrays.items():
         assert np.array_equal(value, many.arrays[key], equal_nan=True), key
 

@@ -47,6 +47,31 @@ def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
     return part[np.lexsort((part, -logits[part]))].astype(np.int32)
 
 
+def leading_ids(rows: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
+    """``top_ids(row, n)`` of every row (shape (len(rows), n)), read from the row's logits at
+    ``ids`` (the teacher's slice of it) where every logit at or above the slice's n-th
+    largest lies in the slice, which one comparison pass over the rows checks; the other
+    rows are partitioned whole. A partition of each whole row costs about as much as the
+    row's log-sum-exp."""
+    n = min(n, rows.shape[-1])
+    out = np.empty((len(rows), n), np.int32)
+    if n > ids.shape[-1] or (ids < 0).any():
+        out[:] = [top_ids(row, n) for row in rows]
+        return out
+    kept = np.take_along_axis(rows, ids, axis=1)
+    threshold = -np.partition(-kept, n - 1, axis=1)[:, n - 1 : n]
+    inside = np.count_nonzero(kept >= threshold, axis=1)
+    whole = np.count_nonzero(rows >= threshold, axis=1)  # NaN compares false: such rows fall back
+    for t, row in enumerate(rows):
+        if inside[t] >= n and whole[t] == inside[t]:  # nothing outside the slice ranks
+            ranked = np.flatnonzero(kept[t] >= threshold[t])
+            order = np.lexsort((ids[t, ranked], -kept[t, ranked]))[:n]
+            out[t] = ids[t, ranked[order]]
+        else:
+            out[t] = top_ids(row, n)
+    return out
+
+
 def log_sum_exp(logits: np.ndarray) -> float:
     x = logits.astype(np.float64)
     peak = x.max()
@@ -100,17 +125,21 @@ class ForcedRecorder:
         t: int,
         logits: np.ndarray,
         ids: np.ndarray | None,
-        known: tuple[float, int] | None = None,
+        known: tuple[float, int, np.ndarray] | None = None,
     ) -> np.ndarray:
         """Record position ``t`` of prompt ``p``; ``ids`` are the teacher's slice ids, or
         None on the teacher itself (then its own top-k become the slice); ``known``: the
-        logits' log_sum_exp and digest where they are known (``add_rows``). Returns the ids."""
-        own = top_ids(logits, max(self.n_top, self.top_k if ids is None else 0))
+        logits' log_sum_exp, digest and own leading ids where they are known (``add_rows``).
+        Returns the ids."""
+        if known is not None and ids is not None:
+            own = known[2]
+        else:
+            own = top_ids(logits, max(self.n_top, self.top_k if ids is None else 0))
         ids = own[: self.top_k] if ids is None else ids
         a = self.arrays
         a["slice_ids"][p, t, : len(ids)] = ids
         a["slice_logits"][p, t, : len(ids)] = logits[ids]
-        lse, hashed = known if known is not None else (log_sum_exp(logits), digest(logits))
+        lse, hashed = known[:2] if known is not None else (log_sum_exp(logits), digest(logits))
         a["lse"][p, t] = lse
         lead = own[: self.n_top]
         a["top_ids"][p, t, : len(lead)] = lead
@@ -126,5 +155,8 @@ class ForcedRecorder:
         with ThreadPoolExecutor(1) as pool:
             digests = pool.map(digest, rows)
             lse = log_sum_exp_rows(rows)
+            # on the teacher itself (ids None) ``add`` ranks each row's top_k anyway
+            leads = leading_ids(rows, ids, self.n_top) if ids is not None else rows[:, :0]
             for t, (logits, hashed) in enumerate(zip(rows, digests, strict=True)):
-                self.add(p, t, logits, None if ids is None else ids[t], (float(lse[t]), hashed))
+                known = (float(lse[t]), hashed, leads[t])
+                self.add(p, t, logits, None if ids is None else ids[t], known)

@@ -454,6 +454,23 @@ def _teacher_windows(spec: dict[str, Any]) -> dict[str, np.ndarray] | None:
     return load_arrays(Path(inputs["teacher_data"]))
 
 
+def score_window(
+    loaded: LoadedModel,
+    recorder: ForcedRecorder,
+    w: int,
+    window: list[int],
+    slice_ids: np.ndarray | None,
+) -> None:
+    """Score window ``w`` of the text and record its scored positions (``slice_ids``: the
+    teacher's, or None on the teacher itself)."""
+    head, forced = split(window)
+    recorder.begin_prompt(w, len(head), forced)
+    # the whole window, its last position's logits too, as llama-perplexity asks for them:
+    # the same batch and output sizes, so the same kernels
+    logits = loaded.score(window, len(head) - 1)[: len(forced)]
+    recorder.add_rows(w, logits, slice_ids)
+
+
 def score_text(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     """The text stage (qdiff.core.text): the text's windows scored as llama-perplexity
     scores them, every scored position kept as a teacher-forced one is, at the teacher's
@@ -480,20 +497,14 @@ def score_text(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
         top_k = (
             teacher["slice_ids"].shape[-1] if teacher else min(settings["top_k"], loaded.n_vocab)
         )
-        n_forced = len(split(cut[0])[1])
-        recorder = ForcedRecorder(len(cut), n_forced, top_k, n_top=LEADING_KEPT)
+        recorder = ForcedRecorder(len(cut), len(split(cut[0])[1]), top_k, n_top=LEADING_KEPT)
         start = time.perf_counter()
         for w, window in enumerate(cut):
-            head, forced = split(window)
-            recorder.begin_prompt(w, len(head), forced)
-            # the whole window, its last position's logits too, as llama-perplexity asks
-            # for them: the same batch and output sizes, so the same kernels
-            logits = loaded.score(window, len(head) - 1)[:n_forced]
-            recorder.add_rows(w, logits, teacher["slice_ids"][w] if teacher else None)
+            score_window(loaded, recorder, w, window, teacher["slice_ids"][w] if teacher else None)
             print(f"[qdiff] text: window {w + 1} of {len(cut)} scored", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - start
         load_s = loaded.load_seconds
-    n_scored = len(cut) * n_forced
+    n_scored = int(recorder.arrays["lengths"].sum())
     record = {
         **records.record_head(spec, "ok", TEXT.name),
         "teacher": settings["teacher"],
