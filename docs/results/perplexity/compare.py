@@ -132,6 +132,21 @@ def _bounded(
     return kl_with_tail(a, b)
 
 
+def _same_tokens(ours: np.ndarray, theirs: np.ndarray, bos: int | None) -> tuple[bool, str]:
+    """Whether the two tools decoded the same windows, and what they did with the BOS.
+    llama-perplexity's file keeps each window's own first token, which it replaces with the
+    BOS while decoding where the model adds one (kl_divergence); qdiff keeps the BOS."""
+    decoded = theirs[: len(ours)].copy()
+    if bos is None:
+        return np.array_equal(ours, decoded), (
+            "this model adds no BOS, so neither replaced a window's first token"
+        )
+    decoded[:, 0] = bos
+    return np.array_equal(ours, decoded), (
+        f"this model adds a BOS (id {bos}): both decode it in place of each window's first token"
+    )
+
+
 def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
     work = Path(workdir)
     theirs = llama_perplexity_stats(Path(log_path).read_text())
@@ -163,18 +178,7 @@ def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
     floor = (logp.min(axis=-1) - base["forced_logprob"]) > 1e-3
     other = load_arrays(work / "results/text" / model / "cpu/none/text.npz")
     full = full_vocabulary(work, model, ours_tokens, base, other)
-    # llama-perplexity's file keeps each window's own first token, which it replaces with
-    # the BOS while decoding where the model adds one (kl_divergence); qdiff keeps the BOS
-    theirs_tokens = tokens[: len(ours_tokens)].copy()
-    if full["bos"] is not None:
-        theirs_tokens[:, 0] = full["bos"]
-    same_tokens = np.array_equal(ours_tokens, theirs_tokens)
-    bos_said = (
-        f"this model adds a BOS (id {full['bos']}): both decode it in place of each window's "
-        "first token"
-        if full["bos"] is not None
-        else "this model adds no BOS, so neither replaced a window's first token"
-    )
+    same_tokens, bos_said = _same_tokens(ours_tokens, tokens, full["bos"])
     print(
         f"\nOver the whole vocabulary, in float64 (both files scored again with the text "
         f"stage's own calls, every logit kept; bit for bit the text stage's logits: "
