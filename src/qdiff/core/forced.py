@@ -35,9 +35,11 @@ ARRAY_NAMES = (
 
 
 def digest(logits: np.ndarray) -> int:
-    """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits."""
+    """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits.
+    SHA-256 (its first 8 bytes): 1.5 times blake2b's speed here, where CPUs hash it in
+    hardware (1.9 against 1.3 GB/s on the 2-core AMD EPYC), and every position is hashed."""
     raw = np.ascontiguousarray(logits, dtype=np.float32).view(np.uint8)  # no copy
-    return int.from_bytes(hashlib.blake2b(raw.data, digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.sha256(raw.data).digest()[:8], "little")
 
 
 def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
@@ -151,12 +153,17 @@ class ForcedRecorder:
     def add_rows(self, p: int, rows: np.ndarray, ids: np.ndarray | None) -> None:
         """Record positions 0 .. len(rows) - 1 of prompt ``p`` at once (``ids``: the
         teacher's slice ids of each, or None), as ``add`` records each."""
-        # hashing releases the GIL: the digests come from a second thread meanwhile
-        with ThreadPoolExecutor(1) as pool:
-            digests = pool.map(digest, rows)
-            lse = log_sum_exp_rows(rows)
+        # hashing and numpy's loops release the GIL: the digests and the leading ids come
+        # from a second thread while this one sums the exponentials
+        def hashed_and_leading() -> tuple[list[int], np.ndarray]:
             # on the teacher itself (ids None) ``add`` ranks each row's top_k anyway
             leads = leading_ids(rows, ids, self.n_top) if ids is not None else rows[:, :0]
+            return [digest(row) for row in rows], leads
+
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(hashed_and_leading)
+            lse = log_sum_exp_rows(rows)
+            digests, leads = other.result()
             for t, (logits, hashed) in enumerate(zip(rows, digests, strict=True)):
                 known = (float(lse[t]), hashed, leads[t])
                 self.add(p, t, logits, None if ids is None else ids[t], known)
