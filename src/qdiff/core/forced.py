@@ -153,6 +153,7 @@ class ForcedRecorder:
     def add_rows(self, p: int, rows: np.ndarray, ids: np.ndarray | None) -> None:
         """Record positions 0 .. len(rows) - 1 of prompt ``p`` at once (``ids``: the
         teacher's slice ids of each, or None), as ``add`` records each."""
+
         # hashing and numpy's loops release the GIL: the digests and the leading ids come
         # from a second thread while this one sums the exponentials
         def hashed_and_leading() -> tuple[list[int], np.ndarray]:
