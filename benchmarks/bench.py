@@ -220,7 +220,7 @@ def text_interleaved(workdir: Path) -> tuple[float, float, int]:
                 spec["text"]["windows"],
                 loaded.bos_added(),
             )
-            top_k = ids.shape[-1] if ids is not None else spec["text"]["top_k"]
+            top_k = ids.shape[-1] if ids is not None else min(spec["text"]["top_k"], loaded.n_vocab)
             _time_windows(loaded, cut, ids, top_k, took)
     del log
     return took["bare"], took["stage"], int(took["windows"])

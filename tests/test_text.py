@@ -200,9 +200,14 @@ def test_rows_at_the_teachers_ids_are_recorded_as_one_by_one() -> None:
     tenth = np.sort(rows[7, ids[7]])[-10]
     rows[7, next(i for i in range(300) if i not in ids[7])] = tenth  # a tie across its edge
     rows[9, ids[9, 2]] = np.nan
+    rows[11, ids[11, :14]] = rows[11].max() + 1  # 14 ids tied for the top 10, in the slice
     expected = np.stack([top_ids(r, 10) for r in rows])
+    assert np.array_equal(expected[11], np.sort(ids[11, :14])[:10])  # lowest ids first
     assert np.array_equal(leading_ids(rows, ids, 10), expected)
     assert np.array_equal(leading_ids(rows, ids[:, :8], 10), expected)  # slice too small
+    padded = np.concatenate([ids, np.full((3, 16), -1)])  # a teacher with longer prompts
+    padded[2, 15] = -1  # and a row whose slice is cut short
+    assert np.array_equal(leading_ids(rows, padded, 10), expected)
     one, many = (ForcedRecorder(1, 24, 16, n_top=10) for _ in range(2))
     for rec in (one, many):
         rec.begin_prompt(0, 1, list(range(24)))

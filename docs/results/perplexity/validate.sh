@@ -8,7 +8,7 @@
 #
 # NAME picks config-NAME.yaml instead of config.yaml: `gemma`, a model that adds a BOS.
 # The build (about 7 minutes on 2 cores) goes to build/llama-perplexity; qdiff runs its own
-# workflow in build/perplexity-qdiff with config.yaml, so results/ is left alone.
+# workflow in build/perplexity-qdiff[-NAME] with that config, so results/ is left alone.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 HERE=docs/results/perplexity

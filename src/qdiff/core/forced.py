@@ -43,29 +43,35 @@ def digest(logits: np.ndarray) -> int:
 
 
 def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the ``k`` largest logits, largest first (lowest id first on ties)."""
+    """The ids of the ``k`` largest logits, largest first (lowest id first on ties; NaN
+    last)."""
     k = min(k, logits.shape[-1])
     part = np.argpartition(-logits, k - 1)[:k]
-    return part[np.lexsort((part, -logits[part]))].astype(np.int32)
+    kth = logits[part].min()
+    if not np.isnan(kth):  # argpartition keeps any of the ids tied at the k-th value
+        part = np.flatnonzero(logits >= kth)
+    return part[np.lexsort((part, -logits[part]))][:k].astype(np.int32)
 
 
 def leading_ids(rows: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
     """``top_ids(row, n)`` of every row (shape (len(rows), n)), read from the row's logits at
-    ``ids`` (the teacher's slice of it) where every logit at or above the slice's n-th
-    largest lies in the slice, which one comparison pass over the rows checks; the other
-    rows are partitioned whole. A partition of each whole row costs about as much as the
-    row's log-sum-exp."""
+    ``ids`` (the teacher's slice of it, a row each; -1 pads) where every logit at or above
+    the slice's n-th largest lies in the slice, which one comparison pass over the rows
+    checks; the other rows are partitioned whole. A partition of each whole row costs about
+    as much as the row's log-sum-exp."""
     n = min(n, rows.shape[-1])
-    out = np.empty((len(rows), n), np.int32)
-    if n > ids.shape[-1] or (ids < 0).any():
-        out[:] = [top_ids(row, n) for row in rows]
-        return out
-    kept = np.take_along_axis(rows, ids, axis=1)
+    ids = ids[: len(rows)]
+    if n > ids.shape[-1]:
+        return np.array([top_ids(row, n) for row in rows], np.int32).reshape(len(rows), n)
+    kept = np.take_along_axis(rows, np.maximum(ids, 0), axis=1)
     threshold = -np.partition(-kept, n - 1, axis=1)[:, n - 1 : n]
     inside = np.count_nonzero(kept >= threshold, axis=1)
-    whole = np.count_nonzero(rows >= threshold, axis=1)  # NaN compares false: such rows fall back
+    whole = np.count_nonzero(rows >= threshold, axis=1)  # NaN compares false, ranks last
+    # nothing outside the slice ranks, and the slice is whole
+    fast = (inside >= n) & (whole == inside) & (ids >= 0).all(axis=1)
+    out = np.empty((len(rows), n), np.int32)
     for t, row in enumerate(rows):
-        if inside[t] >= n and whole[t] == inside[t]:  # nothing outside the slice ranks
+        if fast[t]:
             ranked = np.flatnonzero(kept[t] >= threshold[t])
             order = np.lexsort((ids[t, ranked], -kept[t, ranked]))[:n]
             out[t] = ids[t, ranked[order]]

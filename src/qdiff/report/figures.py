@@ -194,7 +194,8 @@ def delta_p_percentiles(
     for name, values in lines.items():
         ax.plot(x, [100 * v for v in values], marker="o", markersize=3, label=name)
     ax.axhline(0, color="grey", lw=0.6)
-    tails = [abs(100 * v) for values in lines.values() for v in (values[0], values[-1]) if v]
+    ends = (values[i] for values in lines.values() for i in (0, -1))
+    tails = [abs(100 * v) for v in ends if v and np.isfinite(v)]
     if tails:
         ax.set_yscale("symlog", linthresh=float(10 ** np.floor(np.log10(min(tails)))))
     ax.set_xticks(x, [f"{q:g}" for q in levels])

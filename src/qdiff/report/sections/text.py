@@ -113,7 +113,7 @@ def _delta_p_plot(view: ModelView, vs_exact: dict[str, Any]) -> str:
     figures.delta_p_percentiles(lines, DELTA_P_LEVELS, path, title)
     return (
         "Percentiles of Δp over the scored positions, each combination's probability of the "
-        "text's token minus the exact answer's (symmetric-log scale):\n\n"
+        "text's token minus the exact answer's (a symmetric-log scale unless all are 0):\n\n"
         + view.link(path, "Δp percentiles against exact")
     )
 
