@@ -161,8 +161,7 @@ def _time_windows(
     loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: dict[str, float]
 ) -> None:
     """Score each window bare and as the stage does, ``TEXT_REPEATS`` times each way in
-    turn, and add the fastest of each way: on a shared machine noise only adds time (the
-    same window's scoring took 1.0 to 2.8 s on the 2-core AMD EPYC)."""
+    turn, and add the fastest of each way: on a shared machine noise only adds time."""
     from qdiff.core.forced import ForcedRecorder
     from qdiff.core.text import LEADING_KEPT, split
     from qdiff.engine.worker import score_window

@@ -76,8 +76,9 @@ run)
     } | tee /tmp/machine.txt
     date +%s >/tmp/workflow.start
     # Two jobs at a time on the 16 cores, 8 threads each, as docs/results/seed/device.sh
-    # ran. The run of 2026-12-02 planned 24 cores (GPU jobs beside two CPU jobs), and its CPU
-    # jobs took up to 1.3-3.2 s for some tokens (README.md): plan no more threads than cores.
+    # ran. The run of 2026-12-02 planned 24 cores (up to three CPU jobs of 8 threads at once),
+    # and a prompt's mean time per token on the CPU reached 3.2 s (README.md): plan no more
+    # threads than cores.
     setsid nohup bash -c "python3 -m snakemake --configfile '${2:-docs/results/seed-long/config.yaml}' \
         --cores 16 --resources gpu=1 --scheduler greedy --set-threads run_combination=8 \
         forced_combination=8 text_combination=8 exact_reference=8 exact_roundings=8 exact_text=8 \
