@@ -18,8 +18,9 @@
 #   device.sh run [CONFIG]  assemble the model, wait for the build, show the backends, start
 #                           the workflow (default this folder's config.yaml) in the
 #                           background; collect
-#   device.sh collect [S]   wait up to S seconds (default 570) for the workflow; pack the
-#                           results (records and statistics, no logits) into $OUT when done
+#   device.sh collect [S] [partial]  wait up to S seconds (default 570) for the workflow;
+#                           pack the results (records and statistics, no logits) into $OUT
+#                           when done, or, with `partial`, whatever is done by then
 set -euo pipefail
 SITE=/tmp/site
 # The workflow runs in a copy of the tree: each `device` call copies the working tree anew,
@@ -91,10 +92,17 @@ collect)
     for _ in $(seq $((${2:-570} / 5))); do [ -f /tmp/workflow.status ] && break; sleep 5; done
     grep -c "^Finished jobid" /tmp/snakemake.log || true
     tail -4 /tmp/snakemake.log
-    if [ ! -f /tmp/workflow.status ]; then echo "still running: call collect again"; exit 0; fi
-    status=$(cat /tmp/workflow.status)
-    echo "workflow wall time: $(($(date +%s) - $(cat /tmp/workflow.start))) s, exit $status" |
-        tee -a /tmp/machine.txt
+    elapsed=$(($(date +%s) - $(cat /tmp/workflow.start)))
+    if [ -f /tmp/workflow.status ]; then
+        status=$(cat /tmp/workflow.status)
+        echo "workflow wall time: $elapsed s, exit $status" | tee -a /tmp/machine.txt
+    elif [ "${3:-}" = partial ]; then # the last call of a session: bring back what there is
+        status=0
+        echo "workflow still running after $elapsed s: packed as it stood" | tee -a /tmp/machine.txt
+    else
+        echo "still running: call collect again"
+        exit 0
+    fi
     cp /tmp/snakemake.log /tmp/machine.txt "$OUT/"
     find results -type f ! -name '*.npz' ! -name '*.npy' ! -path 'results/logs/*' |
         tar czf "$OUT/seed-long-results.tgz" -T -
@@ -110,7 +118,7 @@ carry)
     ls -la .carry
     ;;
 *)
-    echo "usage: device.sh build | part NAME | run [CONFIG] | collect [SECONDS] | carry" >&2
+    echo "usage: device.sh build | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
     exit 2
     ;;
 esac
