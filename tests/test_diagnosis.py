@@ -443,22 +443,55 @@ def generating(records: list[dict], parts: dict[str, int], k: int = 6) -> list[d
     return records
 
 
+def per_prompt(pairs: list[dict], values: dict[tuple[str, str], list[float]]) -> list[dict]:
+    """Give each pair per-prompt first-step max |Δ| rows over the 10 prompts: ``values`` per
+    pair, else its headline on every prompt."""
+    for p in pairs:
+        row = values.get((p["a"], p["b"]), [p["summary"]["max_abs_max"]] * 10)
+        p["prompts"] = [{"prompt": f"p{i}", "max_abs": x} for i, x in enumerate(row)]
+    return pairs
+
+
 def test_a_tiny_first_step_difference_whose_texts_part_early_is_a_finding() -> None:
-    """The f32 copies are 0.02 apart, a fiftieth of the other pairs' 1.0, yet their texts
-    part on 6 of 10 prompts at token 1 of 20: the finding names the pair and its numbers."""
+    """The f32 copies are 0.02 apart, a fiftieth of the other pairs' 1.0 on every prompt, yet
+    their texts part on 6 of 10 prompts at token 1 of 20: the finding names the pair and its
+    numbers."""
     records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
-    found = diagnose(generating(records, {"gpu.f32": 1}), pairs)
+    found = diagnose(generating(records, {"gpu.f32": 1}), per_prompt(pairs, {}))
     (f,) = [f for f in found if f.rule == "tiny-yet-parts-early"]
-    assert f.text.startswith("`cpu.f32` vs `gpu.f32`: first-step max |Δ| 0.02 (worst prompt)")
-    assert "against a median of 1 over the model's 5 other pairs" in f.text
+    assert f.text.startswith(
+        "`cpu.f32` vs `gpu.f32`: first-step max |Δ| a median 0.02 over 10 prompts, against a "
+        "median 1 for the model's 5 other pairs (the others' median on each prompt is 50× "
+        "this pair's, geometric mean over the prompts, 95% bootstrap interval 50–50×)"
+    )
     assert "part on 6 of these 10 prompts (95% Wilson interval 31%–83%)" in f.text
     assert "median divergence index of 1 of at most 20 tokens generated" in f.text
-    assert "at most 10% of the other pairs' median" in f.text and "at least 50%" in f.text
+    assert "lower end at least 10×" in f.text and "at least 50%" in f.text
     assert f.numbers["median_index"] == 1 and f.numbers["diverged"] == 6
+
+
+def test_tiny_is_decided_over_prompts_not_by_one_prompts_maximum() -> None:
+    """Issue 31: a threshold on the worst prompt's max |Δ| is one prompt's verdict. Here the
+    other pairs are 1.0 apart on one prompt only (0.03 on the rest), so the f32 copies'
+    0.02 is not tiny by their worst prompts' 1.0: no finding. And an f32 pair 0.5 apart on
+    one prompt but 0.01 on the nine others is tiny over the prompts: a finding."""
+    records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
+    one_prompt_apart = {k: [1.0] + [0.03] * 9 for k in QUANTIZED_APART if k[0] != "cpu.f32"}
+    one_prompt_apart[("cpu.f32", "gpu.none")] = [1.0] + [0.03] * 9
+    one_prompt_apart[("cpu.f32", "gpu.f32")] = [0.02] * 10
+    found = diagnose(generating(records, {"gpu.f32": 1}), per_prompt(pairs, one_prompt_apart))
+    assert "tiny-yet-parts-early" not in rules(found)
+
+    records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
+    outlier = {("cpu.f32", "gpu.f32"): [0.5] + [0.01] * 9}
+    found = diagnose(generating(records, {"gpu.f32": 1}), per_prompt(pairs, outlier))
+    (f,) = [f for f in found if f.rule == "tiny-yet-parts-early"]
+    assert f.numbers["max_abs_median"] == 0.01 and f.numbers["ratio_low"] >= 10
 
 
 def test_no_finding_when_the_texts_part_late_rarely_or_after_a_large_difference() -> None:
     records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
+    per_prompt(pairs, {})
     for parts, k in (
         ({"gpu.f32": 15}, 6),  # late: at 15 of 20
         ({"gpu.f32": 1}, 4),  # early but on 4 of 10 prompts only

@@ -55,6 +55,25 @@ def test_digest_tells_bit_identical_from_different() -> None:
     assert digest(x) != digest(y)
 
 
+def test_digests_of_two_algorithms_are_never_compared(tmp_path) -> None:
+    """Data from before the SHA-256 digests (blake2b, unnamed) beside newer data, e.g. an
+    unpacked archive extended by a newer run: equal logits would read as different, so the
+    comparison refuses, saying what to do; the name survives a save and load."""
+    from qdiff.core.forced import DIGEST_ALGORITHM
+    from qdiff.core.io import load_arrays, save_arrays
+
+    a, _ = noisy(np.random.default_rng(0), 3)
+    new, ids = record(a, VOCAB)
+    save_arrays(tmp_path / "new.npz", new)
+    assert str(load_arrays(tmp_path / "new.npz")["digest_algorithm"]) == DIGEST_ALGORITHM
+    old, _ = record(a, VOCAB, ids)
+    del old["digest_algorithm"]  # as qdiff wrote it before 4db477c
+    with pytest.raises(ValueError, match="made by sha256/8 and by blake2b/8 cannot be compared"):
+        compare_forced(new, old, ["p"])
+    with pytest.raises(ValueError, match="delete the older combination's results"):
+        first_step_metrics(with_probabilities(new), with_probabilities(old), 0, 0)
+
+
 def test_identical_passes_compare_as_identical() -> None:
     a, _ = noisy(np.random.default_rng(0), 5)
     result = pair(a, [x.copy() for x in a])

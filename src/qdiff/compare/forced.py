@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from qdiff.compare.metrics import PairStats, median, metric_values, percentile
+from qdiff.core.forced import equal_digests, same_digest_algorithm
 
 TIE_FACTOR = 2.0
 MIN_SCALE_POSITIONS = 10
@@ -111,6 +112,7 @@ def first_step_metrics(
     xa = a["slice_logits"][pa, 0][kept].astype(np.float64)
     delta = b["slice_logits"][pb, 0][kept].astype(np.float64) - xa
     squares = float(np.dot(delta, delta))
+    same_digest_algorithm(a, b)
     identical = bool(a["digest"][pa, 0] == b["digest"][pb, 0])
     at_a = {k: v[pa, 0] for k, v in a.items() if k in ("probs", "log_probs", "tail", "log_tail")}
     at_b = {k: v[pb, 0] for k, v in b.items() if k in ("probs", "log_probs", "tail", "log_tail")}
@@ -165,7 +167,7 @@ def compare_forced(
     # fmax skips the NaN of a slot the slice left empty; 4x faster than nanmax's copy
     max_abs = np.fmax.reduce(max_abs, axis=-1, initial=0.0)
     kl = kl_with_tail(with_probabilities(a), with_probabilities(b))
-    identical = a["digest"] == b["digest"]
+    identical = equal_digests(a, b)
     agree = a["top_ids"][..., 0] == b["top_ids"][..., 0]
     # the pair's typical difference where it differs at all: a pair that is bit-identical
     # at most positions (e.g. TF32 on or off, which only long sequences reach) still has a

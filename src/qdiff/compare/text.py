@@ -29,6 +29,7 @@ import numpy as np
 
 from qdiff.compare.forced import kl_with_tail, with_probabilities
 from qdiff.compare.stats import geometric_mean, paired_ratio
+from qdiff.core.forced import equal_digests
 
 # llama-perplexity's percentiles of KLD and of Δp (its "99.9%" is the 0.999 quantile)
 KLD_PERCENTILES = (100, 99.9, 99, 95, 90, 50, 10, 5, 1, 0.1, 0)
@@ -99,7 +100,7 @@ def perplexity_stats(base: dict[str, np.ndarray], other: dict[str, np.ndarray]) 
             )
             for k in TOP_N
         },
-        "identical_positions": int((base["digest"] == other["digest"])[scored].sum()),
+        "identical_positions": int(equal_digests(base, other)[scored].sum()),
         "kld_by_window": [float(kld_grid[w][scored[w]].mean()) for w in range(scored.shape[0])],
         # what "nearer the exact answer" is decided on, paired block by block
         "kld_by_block": _block_means(kld_grid, scored),

@@ -10,13 +10,16 @@ logits), 640 MiB per combination for the default experiment. Each position is ke
 - ``lse``: log-sum-exp over the full vocabulary, so slice probabilities are exact;
 - ``top_ids``/``top_logits``: each combination's own ``n_top`` leading tokens over the full
   vocabulary (two by default), so top-1 agreement and fork margins are exact;
-- ``digest``: a hash of the full float32 logits, so "bit-identical" is exact.
+- ``digest``: a hash of the full float32 logits, so "bit-identical" is exact; the arrays
+  name its algorithm (``digest_algorithm``), and digests of two algorithms are never compared.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -34,12 +37,42 @@ ARRAY_NAMES = (
 )
 
 
+DIGEST_ALGORITHM = "sha256/8"  # what ``digest`` computes: SHA-256, its first 8 bytes
+# what data without a name was hashed with: qdiff before 4db477c (an unpacked archive of
+# results, e.g. docs/results/seed-long/h200-records.tgz, holds such data)
+LEGACY_DIGEST = "blake2b/8"
+
+
 def digest(logits: np.ndarray) -> int:
     """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits.
     SHA-256 (its first 8 bytes): every position is hashed, and on CPUs with SHA instructions
     OpenSSL's SHA-256 is 1.5 times blake2b's speed (1.9 against 1.3 GB/s, 2-core AMD EPYC)."""
     raw = np.ascontiguousarray(logits, dtype=np.float32).view(np.uint8)  # no copy
     return int.from_bytes(hashlib.sha256(raw.data).digest()[:8], "little")
+
+
+def digest_algorithm(named: Mapping[str, Any]) -> str:
+    """The algorithm of the digests in a pass's arrays, or in a run's record."""
+    name = named.get("digest_algorithm")
+    return LEGACY_DIGEST if name is None else str(name)
+
+
+def same_digest_algorithm(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
+    """Raise ValueError where ``a``'s digests and ``b``'s were made by different algorithms:
+    equal logits would read as different."""
+    x, y = digest_algorithm(a), digest_algorithm(b)
+    if x != y:
+        raise ValueError(
+            f"logit digests made by {x} and by {y} cannot be compared (results of an older "
+            "qdiff beside newer ones, e.g. unpacked from an archive): delete the older "
+            "combination's results and run the workflow again"
+        )
+
+
+def equal_digests(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Where two passes' logits are bit-identical (their digests, position by position)."""
+    same_digest_algorithm(a, b)
+    return np.asarray(a["digest"] == b["digest"])
 
 
 def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
@@ -120,6 +153,7 @@ class ForcedRecorder:
             "top_logits": np.full((*shape, n_top), np.nan, dtype),
             "digest": np.zeros(shape, np.uint64),
             "forced_logprob": np.full(shape, np.nan),
+            "digest_algorithm": np.array(DIGEST_ALGORITHM),
         }
 
     def begin_prompt(self, p: int, n_prompt_tokens: int, forced: list[int]) -> None:

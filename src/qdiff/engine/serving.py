@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from qdiff.core.forced import digest
+from qdiff.core.forced import DIGEST_ALGORITHM, digest, digest_algorithm
 from qdiff.core.serving import Case
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.bindings import llama_cpp
@@ -322,6 +322,8 @@ def against_own_run(alone: Decoded, own_run: dict[str, Any], pid: str) -> dict[s
     run = next((p for p in own_run["prompts"] if p["id"] == pid), None)
     if run is None:
         return {"status": "n/a", "reason": "the run left this prompt out"}
+    if digest_algorithm(own_run) != DIGEST_ALGORITHM:
+        return {"status": "n/a", "reason": f"the run's digests are {digest_algorithm(own_run)}"}
     n = min(len(run["tokens"]), len(alone.tokens))
     fork = next((i for i in range(n) if run["tokens"][i] != alone.tokens[i]), None)
     first_same = digest(alone.logits[0]) == run["first_logits_digest"]

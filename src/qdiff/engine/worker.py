@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from qdiff.core import records
-from qdiff.core.forced import ForcedRecorder, digest
+from qdiff.core.forced import DIGEST_ALGORITHM, ForcedRecorder, digest, same_digest_algorithm
 from qdiff.core.io import load_arrays, read_json, save_array, save_arrays, write_json
 from qdiff.core.serving import Case
 from qdiff.core.settings import DeviceSettings
@@ -182,6 +182,7 @@ def generate(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     record = {
         **records.record_head(spec, "ok", RUN.name),
         "prompts": [_prompt_record(p, g) for p, g in results],
+        "digest_algorithm": DIGEST_ALGORITHM,  # of each prompt's first_logits_digest
         "skipped_prompts": skipped,
         "timings": {
             "load_s": round(load_s, 4),
@@ -219,10 +220,12 @@ def force(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     run, teacher = _teacher(spec)
     sequences = {p["id"]: p["tokens"] for p in run["prompts"]}
     # this combination's free run: its first steps' digests, for the self-check
-    own_first = {
-        p["id"]: p["first_logits_digest"]
-        for p in read_json(Path(spec["inputs"]["own_run"]))["prompts"]
-    }
+    own_run = read_json(Path(spec["inputs"]["own_run"]))
+    try:
+        same_digest_algorithm(own_run, {"digest_algorithm": DIGEST_ALGORITHM})
+    except ValueError as exc:
+        raise WorkerFailure("inputs", f"{spec['inputs']['own_run']}: {exc}") from None
+    own_first = {p["id"]: p["first_logits_digest"] for p in own_run["prompts"]}
     # the prompts the teacher ran (one it had to leave out, too long, every combination does)
     prompts = [p for p in spec["prompts"] if p["id"] in sequences]
     max_len = max((len(sequences[p["id"]]) for p in prompts), default=0)

@@ -19,10 +19,12 @@ Every finding names its rule and the numbers it rests on; nothing is fixed text.
   tie, a red flag or undetermined. Forks are counted per pair and, since many pairs fork at
   the same place, by distinct site (prompt, position); a site counts as a near tie only when
   every pair that forks there is one.
-- ``tiny-yet-parts-early``: a pair whose first-step max |Δ| is at most ``TINY`` of the median
-  over the model's other pairs, yet whose free-running texts (qdiff.compare.generations) part
-  on at least ``PARTED`` of the prompts at a median divergence index within ``EARLY`` of
-  ``generation.n_tokens``: the share with its Wilson interval, and the median index.
+- ``tiny-yet-parts-early``: a pair whose first-step max |Δ| is tiny against the model's other
+  pairs, prompt by prompt (the others' per-prompt median over the pair's, a geometric mean
+  over prompts whose bootstrap interval lies at or above ``1/TINY``), yet whose free-running
+  texts (qdiff.compare.generations) part on at least ``PARTED`` of the prompts at a median
+  divergence index within ``EARLY`` of ``generation.n_tokens``: the share with its Wilson
+  interval, and the median index.
 
 With the exact answer of the weights (qdiff.exact, qdiff.compare.distance):
 
@@ -60,7 +62,7 @@ from qdiff.core.labels import Combination, Pair
 
 AMPLIFICATION = 10.0
 COMPARABLE = 0.5
-TINY = 0.1  # a first-step max |Δ| at most this share of the other pairs' median is tiny
+TINY = 0.1  # tiny: the other pairs' first-step max |Δ| at least 1/TINY times a pair's
 PARTED = 0.5  # texts part early: on at least this share of the prompts,
 EARLY = 0.25  # at a median divergence index within this share of generation.n_tokens
 Key = tuple[str, str]  # (device, dequant)
@@ -328,22 +330,41 @@ def _forks(pairs: list[dict[str, Any]]) -> list[Finding]:
 
 
 def _tiny_yet_parts_early(m: Matrix) -> list[Finding]:
-    """Pairs whose first-step difference is tiny against the model's other pairs, yet whose
-    free-running texts part on many prompts, early."""
+    """Pairs whose first-step difference is tiny against the model's other pairs, prompt by
+    prompt, yet whose free-running texts part on many prompts, early."""
     cap = generation_cap(list(m.records.values()))
     if cap is None:
         return []
     runs = {Combination("", *key).label: generations_of(r) for key, r in m.records.items()}
+    by_prompt = {id(p): _max_abs_by_prompt(p) for p in m.pairs.values()}
     findings = []
     for p in m.pairs.values():
-        others = [headline(q) for q in m.pairs.values() if q is not p]
-        if not others or p["a"] not in runs or p["b"] not in runs:
+        if p["a"] not in runs or p["b"] not in runs:
             continue
-        median = float(np.median(others))
+        others = [by_prompt[id(q)] for q in m.pairs.values() if q is not p]
+        tiny = _tiny_against(by_prompt[id(p)], others)
+        if tiny is None or tiny["low"] < 1 / TINY:
+            continue
         s = pair_stats(runs[p["a"]], runs[p["b"]])
-        if median > 0 and headline(p) <= TINY * median and _parts_early(s, cap):
-            findings.append(_tiny_yet_parted(p, s, median, len(others), cap))
+        if _parts_early(s, cap):
+            findings.append(_tiny_yet_parted(p, s, tiny, len(others), cap))
     return findings
+
+
+def _max_abs_by_prompt(pair: dict[str, Any]) -> dict[str, float]:
+    return {row["prompt"]: float(row["max_abs"]) for row in pair.get("prompts", [])}
+
+
+def _tiny_against(mine: dict[str, float], others: list[dict[str, float]]) -> dict[str, Any] | None:
+    """How many times the other pairs' per-prompt median first-step max |Δ| is this pair's,
+    paired by prompt over the prompts every pair has, with its bootstrap interval
+    (``paired_ratio``); None without other pairs or shared prompts."""
+    shared = [pid for pid in mine if others and all(pid in o for o in others)]
+    if not shared:
+        return None
+    own = [mine[pid] for pid in shared]
+    median = [float(np.median([o[pid] for o in others])) for pid in shared]
+    return {**paired_ratio(own, median), "own": own, "others": median}
 
 
 def _parts_early(s: dict[str, Any], cap: int) -> bool:
@@ -353,23 +374,29 @@ def _parts_early(s: dict[str, Any], cap: int) -> bool:
 
 
 def _tiny_yet_parted(
-    p: dict[str, Any], s: dict[str, Any], median: float, n_others: int, cap: int
+    p: dict[str, Any], s: dict[str, Any], tiny: dict[str, Any], n_others: int, cap: int
 ) -> Finding:
-    x, n = headline(p), s["n_prompts"]
+    own, others, n = float(np.median(tiny["own"])), float(np.median(tiny["others"])), s["n_prompts"]
     text = (
-        f"`{p['a']}` vs `{p['b']}`: first-step max |Δ| {_fmt(x)} (worst prompt), against a "
-        f"median of {_fmt(median)} over the model's {plural(n_others, 'other pair')}; yet "
-        f"their free-running texts part on {s['diverged']} of these {n} prompts ({LEVEL:.0%} "
-        f"Wilson interval {s['share_low']:.0%}–{s['share_high']:.0%}), at a median divergence "
-        f"index of {s['median_index']:g} of at most {cap} tokens generated. On these prompts, "
-        "a first-step difference this small did not keep the texts together (the rule: a "
-        f"first-step max |Δ| at most {TINY:.0%} of the other pairs' median, texts that part on "
-        f"at least {PARTED:.0%} of the prompts at a median index within the first "
-        f"{EARLY:.0%} of the tokens generated)."
+        f"`{p['a']}` vs `{p['b']}`: first-step max |Δ| a median {_fmt(own)} over "
+        f"{plural(tiny['n'], 'prompt')}, against a median {_fmt(others)} for the model's "
+        f"{plural(n_others, 'other pair')} (the others' median on each prompt is "
+        f"{tiny['ratio']:.3g}× this pair's, geometric mean over the prompts, {LEVEL:.0%} "
+        f"bootstrap interval {tiny['low']:.3g}–{tiny['high']:.3g}×); yet their free-running "
+        f"texts part on {s['diverged']} of these {n} prompts ({LEVEL:.0%} Wilson interval "
+        f"{s['share_low']:.0%}–{s['share_high']:.0%}), at a median divergence index of "
+        f"{s['median_index']:g} of at most {cap} tokens generated. On these prompts, a "
+        "first-step difference this small did not keep the texts together (the rule: the "
+        f"interval's lower end at least {1 / TINY:g}×, texts that part on at least "
+        f"{PARTED:.0%} of the prompts at a median index within the first {EARLY:.0%} of the "
+        "tokens generated)."
     )
     numbers = {
-        "max_abs": x,
-        "others_median": median,
+        "max_abs_median": own,
+        "others_median": others,
+        "ratio": tiny["ratio"],
+        "ratio_low": tiny["low"],
+        "ratio_high": tiny["high"],
         "diverged": s["diverged"],
         "n_prompts": n,
         "share_low": s["share_low"],
