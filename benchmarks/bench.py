@@ -17,7 +17,8 @@ It runs, in a scratch directory (``--workdir``, default a temporary one):
    and how that inference compares with the floor;
 3. the text stage (when the experiment scores a text): its scoring time against the same
    windows decoded in a bare loop (``LoadedModel.score``, no recording; target at most 1.2x),
-   and the float64 engine along the text against the f32 copy's scoring (target at most 3x);
+   and the float64 engine along the text against the f32 copy's scoring (target at most 3x;
+   ``--only exact-text --workdir DIR`` reads it from a finished run's records in DIR);
 4. comparison throughput: ``qdiff.compare.pairs.compare_model`` on one thread, reading the arrays
    from disk, on synthetic logits of Gemma 3's 262,144-token vocabulary and on the
    experiment's own largest-vocabulary model;
@@ -225,13 +226,17 @@ def text_interleaved(workdir: Path) -> tuple[float, float, int]:
     return took["bare"], took["stage"], int(took["windows"])
 
 
-def text_stage(workdir: Path) -> None:
-    """The text stage's scoring against the bare loop, and the exact engine along the text
-    against the f32 copies' scoring (each model's exact job over its f32 combinations' mean)."""
+def ok_text_records(workdir: Path) -> list[dict[str, Any]]:
     from qdiff.core.stages import TEXT
 
     records = [json.loads(p.read_text()) for p in (workdir / TEXT.folder).rglob("record.json")]
-    ok = [r for r in records if r["status"] == "ok"]
+    return [r for r in records if r["status"] == "ok"]
+
+
+def text_stage(workdir: Path) -> None:
+    """The text stage's scoring against the bare loop, and the exact engine along the text
+    against the f32 copies' scoring (each model's exact job over its f32 combinations' mean)."""
+    ok = ok_text_records(workdir)
     if not ok:
         print("  text stage: no ok text record (is text enabled in the config?)")
         return
@@ -246,17 +251,25 @@ def text_stage(workdir: Path) -> None:
         f"{TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.1f} s scored and "
         f"recorded, {bare:.1f} s scored bare",
     )
+    exact_text(workdir, ok)
+
+
+def exact_text(workdir: Path, ok: list[dict[str, Any]]) -> None:
+    """The exact engine along the text against the f32 copies' scoring, from the records of a
+    finished run (``ok``: its ok text records): each model's float64 forward passes over the
+    mean of its f32 combinations' scoring, and all models together."""
     exact = f32 = 0.0
-    for path in (workdir / "results/exact").glob("*/text.json"):
+    per_model = []
+    for path in sorted((workdir / "results/exact").glob("*/text.json")):
         record = json.loads(path.read_text())
-        own = [
-            r["timings"]["seconds"]
-            for r in ok
-            if r["model"] == path.parent.name and r["dequant"] == "f32"
-        ]
+        model = path.parent.name
+        own = [r["timings"]["seconds"] for r in ok if r["model"] == model and r["dequant"] == "f32"]
         if record["status"] == "ok" and own:
-            exact += record["timings"]["forward_s"]
-            f32 += sum(own) / len(own)
+            forward, scoring = record["timings"]["forward_s"], sum(own) / len(own)
+            exact, f32 = exact + forward, f32 + scoring
+            per_model.append(
+                f"{model} {forward / scoring:.2f}x ({forward:.1f} s / {scoring:.1f} s)"
+            )
     if f32:
         line(
             "exact text / f32 text",
@@ -264,8 +277,18 @@ def text_stage(workdir: Path) -> None:
             "x",
             3.0,
             "lower",
-            f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of f32 scoring",
+            f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of f32 scoring; "
+            + "; ".join(per_model),
         )
+
+
+def exact_text_of_a_run(args: argparse.Namespace, workdir: Path) -> None:
+    """``--only exact-text``: the exact engine's ratio from a finished run's records in
+    ``--workdir`` (e.g. config/long.yaml's, whose text is every window), nothing run."""
+    if not args.workdir:
+        sys.exit("--only exact-text reads a finished run's records: give its --workdir")
+    print("exact engine along the text, from the records in", workdir)
+    exact_text(workdir, ok_text_records(workdir))
 
 
 def child(*args: str, env: dict[str, str] | None = None) -> list[str]:
@@ -635,9 +658,10 @@ def main() -> None:
     parser.add_argument("--compare-prompts", type=int, default=8)
     parser.add_argument(
         "--only",
-        choices=("pipeline", "compare", "planning"),
+        choices=("pipeline", "compare", "planning", "exact-text"),
         action="append",
-        help="run only these parts (repeatable)",
+        help="run only these parts (repeatable); exact-text reads the records of a finished "
+        "run in --workdir",
     )
     args = parser.parse_args()
     args.config = args.config.resolve()
@@ -650,7 +674,13 @@ def main() -> None:
     print(f"Snakemake's executor plugins, each imported at every start: {executor_plugins()}")
     print(f"snakemake --cores {args.cores}; scratch directory {workdir}")
     for part in parts:
-        {"pipeline": pipeline, "compare": compare, "planning": planning}[part](args, workdir)
+        parts_by_name = {
+            "pipeline": pipeline,
+            "compare": compare,
+            "planning": planning,
+            "exact-text": exact_text_of_a_run,
+        }
+        parts_by_name[part](args, workdir)
     if not args.workdir:
         shutil.rmtree(workdir)
 

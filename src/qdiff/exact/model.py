@@ -102,6 +102,9 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
     return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table.astype(np.float64)))
 
 
+ATTENTION_BLOCK = 128  # query rows per block: the keys every row of a block masks are skipped
+
+
 def _softmax_attention(
     q: np.ndarray,
     k: np.ndarray,
@@ -111,15 +114,25 @@ def _softmax_attention(
     p_rounding: Callable[[np.ndarray], np.ndarray] | None,
 ) -> np.ndarray:
     """softmax(scores(Q·Kᵀ), masked)·V per head (q, k, v: (n, heads, d)); with
-    ``p_rounding`` the softmax weights rounded before the product with V."""
-    scores = how(q.transpose(1, 0, 2) @ k.transpose(1, 2, 0))  # (heads, queries, keys)
-    scores[:, masked] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if p_rounding is not None:
-        probs = p_rounding(probs)
-    return (probs @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
+    ``p_rounding`` the softmax weights rounded before the product with V. Block by block of
+    queries, each over the keys some row of the block sees: a causal mask then costs about
+    half the full matrix (a masked key adds an exact 0 to the sum it is left out of)."""
+    n = len(q)
+    out = np.empty((n, q.shape[1], v.shape[2]))
+    qh, kh, vh = q.transpose(1, 0, 2), k.transpose(1, 2, 0), v.transpose(1, 0, 2)
+    for start in range(0, n, ATTENTION_BLOCK):
+        rows = slice(start, min(start + ATTENTION_BLOCK, n))
+        seen = np.flatnonzero(~masked[rows].all(axis=0))
+        keys = slice(seen[0], seen[-1] + 1) if seen.size else slice(0, n)
+        scores = how(qh[:, rows] @ kh[:, :, keys])  # (heads, queries, keys)
+        np.copyto(scores, -np.inf, where=masked[rows, keys])
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        if p_rounding is not None:
+            scores = p_rounding(scores)
+        out[rows] = (scores @ vh[:, keys]).transpose(1, 0, 2)
+    return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -252,10 +265,10 @@ class ExactModel:
         r = self._roundings
         if r.kv_f16:
             k, v = self.rounded(k, f16), self.rounded(v, f16)
-        distance = positions[:, None] - positions[None, :]
-        masked = distance < 0
+        # (n, n) booleans from the positions' broadcast: no (n, n) array of distances
+        masked = positions[None, :] > positions[:, None]
         if hp.swa_layers[layer]:
-            masked |= distance >= hp.n_swa
+            masked |= positions[None, :] <= positions[:, None] - hp.n_swa
         heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)  # each query head's K/V
         k, v = k[:, heads], v[:, heads]
         scores = Scores(scale, hp.attn_softcap)

@@ -13,7 +13,7 @@ import numpy as np
 from qdiff.core.backends import CPU_VEC_DOT_TYPE
 from qdiff.core.roundings import NotEmulatedError, Roundings
 from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError, read_hparams
-from qdiff.exact.model import ExactModel
+from qdiff.exact.model import ATTENTION_BLOCK, ExactModel
 
 
 def reference(
@@ -159,8 +159,9 @@ def memory_needed(model: Path, work: Workload, layer_by_layer: bool = False) -> 
     before anything is loaded: every weight in float64 (they are kept; ``layer_by_layer``,
     those outside the layers and the largest layer's), what dequantizing the largest one
     read after the embeddings takes beside its float64 copy, the file's pages the reader maps, its parsed metadata, the
-    logits, one layer's activations for the longest sequence (three arrays of scores per
-    head: two were measured at the peak; K and V per head; the feed-forward's products)
+    logits, one layer's activations for the longest sequence (its mask; three arrays of
+    scores per head for a block of queries; Q, K and V and their copies per head; the
+    feed-forward's products; the residual stream)
     and every sequence's hidden state, and a base. tests/test_gemma.py checks it against
     the peak resident memory of the default experiment's models: never below, and within
     1.5x; tests/test_exact.py against a long sequence's."""
@@ -197,7 +198,11 @@ def _activations(reader: Any, sizes: dict[str, int], work: Workload) -> int:
         return 0
     n, heads = work.longest, hp.n_head
     n_ff = sizes.get("blk.0.ffn_down.weight", 0) // hp.n_embd
-    per_layer = 8 * n * (3 * heads * n + 2 * heads * hp.head_dim + 3 * n_ff)
+    scores = 8 * 3 * heads * min(n, ATTENTION_BLOCK)  # a block of queries' scores over n keys
+    # per token: Q, K, V, K and V per query head, the turned Q and K, the heads' output; the
+    # feed-forward's three products; the residual stream, its norm and two sums
+    per_token = 8 * (6 * heads * hp.head_dim + 3 * n_ff + 4 * hp.n_embd)
+    per_layer = n * (scores + n + per_token)  # n: the mask, a byte per query and key
     return per_layer + 8 * 2 * work.tokens * hp.n_embd
 
 
