@@ -255,15 +255,20 @@ def text_stage(workdir: Path) -> None:
 
 
 def exact_text(workdir: Path, ok: list[dict[str, Any]]) -> None:
-    """The exact engine along the text against the f32 copies' scoring, from the records of a
-    finished run (``ok``: its ok text records): each model's float64 forward passes over the
-    mean of its f32 combinations' scoring, and all models together."""
+    """The exact engine along the text against the f32 copies' scoring on the CPU it runs on,
+    from the records of a finished run (``ok``: its ok text records): each model's float64
+    forward passes over the mean of its CPU f32 combinations' scoring, and all models
+    together."""
     exact = f32 = 0.0
     per_model = []
     for path in sorted((workdir / "results/exact").glob("*/text.json")):
         record = json.loads(path.read_text())
         model = path.parent.name
-        own = [r["timings"]["seconds"] for r in ok if r["model"] == model and r["dequant"] == "f32"]
+        own = [
+            r["timings"]["seconds"]
+            for r in ok
+            if r["model"] == model and r["dequant"] == "f32" and r["settings"]["backend"] == "cpu"
+        ]
         if record["status"] == "ok" and own:
             forward, scoring = record["timings"]["forward_s"], sum(own) / len(own)
             exact, f32 = exact + forward, f32 + scoring
@@ -277,7 +282,7 @@ def exact_text(workdir: Path, ok: list[dict[str, Any]]) -> None:
             "x",
             3.0,
             "lower",
-            f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of f32 scoring; "
+            f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of CPU f32 scoring; "
             + "; ".join(per_model),
         )
 

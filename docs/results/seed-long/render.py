@@ -1,17 +1,25 @@
 """Render what came back of the H200 run (docs/results/seed-long/README.md) with this
 checkout's report code: python docs/results/seed-long/render.py <unpacked h200-records.tgz> <folder>.
-Only the runs' records came back whole, so only the free-running generations render."""
+The records and the text's statistics came back; the logits stayed on the machine, so no
+pair of first steps or teacher-forced passes, and no distance from exact, renders."""
 
 import glob
 import sys
 from pathlib import Path
 
 from qdiff.core.io import read_json
+from qdiff.core.stages import STAGES
 from qdiff.report import ReportFiles, Results, write_report
 
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
 out.mkdir(parents=True, exist_ok=True)
-runs = [read_json(Path(p)) for p in sorted(glob.glob(f"{root}/results/runs/*/*/*/record.json"))]
+
+
+def read_all(pattern: str) -> list[dict]:
+    return [read_json(Path(p)) for p in sorted(glob.glob(str(root / pattern)))]
+
+
+records = {s.name: read_all(f"{s.folder}/*/*/*/record.json") for s in STAGES.values()}
 files = ReportFiles(
     summary=out / "summary.md",
     html=out / "summary.html",
@@ -20,4 +28,9 @@ files = ReportFiles(
     plot_dir=out / "plots",
     plot_href="plots",
 )
-write_report(Results(records={"run": runs}, pairs=[]), files, reference="cpu.f32")
+results = Results(
+    records={name: rows for name, rows in records.items() if rows},
+    pairs=[],
+    text=read_all("results/compare/*.text.json"),
+)
+write_report(results, files, reference="cpu.f32")
