@@ -56,9 +56,10 @@ def test_digest_tells_bit_identical_from_different() -> None:
 
 
 def test_digests_of_two_algorithms_are_never_compared(tmp_path) -> None:
-    """Data from before the SHA-256 digests (blake2b, unnamed) beside newer data, e.g. an
-    unpacked archive extended by a newer run: equal logits would read as different, so the
-    comparison refuses, saying what to do; the name survives a save and load."""
+    """Data from before digests were named (blake2b before 4db477c, SHA-256 after, which the
+    data cannot tell apart) beside newer data, e.g. an unpacked archive extended by a newer
+    run: equal logits could read as different, so the comparison refuses, saying what to do;
+    the name survives a save and load."""
     from qdiff.core.forced import DIGEST_ALGORITHM
     from qdiff.core.io import load_arrays, save_arrays
 
@@ -67,8 +68,8 @@ def test_digests_of_two_algorithms_are_never_compared(tmp_path) -> None:
     save_arrays(tmp_path / "new.npz", new)
     assert str(load_arrays(tmp_path / "new.npz")["digest_algorithm"]) == DIGEST_ALGORITHM
     old, _ = record(a, VOCAB, ids)
-    del old["digest_algorithm"]  # as qdiff wrote it before 4db477c
-    with pytest.raises(ValueError, match="made by sha256/8 and by blake2b/8 cannot be compared"):
+    del old["digest_algorithm"]  # as qdiff wrote it before 0e63b0a
+    with pytest.raises(ValueError, match="made by sha256/8 and by an unnamed algorithm cannot"):
         compare_forced(new, old, ["p"])
     with pytest.raises(ValueError, match="delete the older combination's results"):
         first_step_metrics(with_probabilities(new), with_probabilities(old), 0, 0)

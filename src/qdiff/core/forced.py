@@ -38,9 +38,9 @@ ARRAY_NAMES = (
 
 
 DIGEST_ALGORITHM = "sha256/8"  # what ``digest`` computes: SHA-256, its first 8 bytes
-# what data without a name was hashed with: qdiff before 4db477c (an unpacked archive of
-# results, e.g. docs/results/seed-long/h200-records.tgz, holds such data)
-LEGACY_DIGEST = "blake2b/8"
+# data without a name (qdiff before 0e63b0a): blake2b/8 before 4db477c, sha256/8 after, which
+# the data cannot tell apart; it is compared only with other data without a name
+UNNAMED_DIGEST = "an unnamed algorithm"
 
 
 def digest(logits: np.ndarray) -> int:
@@ -54,7 +54,7 @@ def digest(logits: np.ndarray) -> int:
 def digest_algorithm(named: Mapping[str, Any]) -> str:
     """The algorithm of the digests in a pass's arrays, or in a run's record."""
     name = named.get("digest_algorithm")
-    return LEGACY_DIGEST if name is None else str(name)
+    return UNNAMED_DIGEST if name is None else str(name)
 
 
 def same_digest_algorithm(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
@@ -64,8 +64,9 @@ def same_digest_algorithm(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
     if x != y:
         raise ValueError(
             f"logit digests made by {x} and by {y} cannot be compared (results of an older "
-            "qdiff beside newer ones, e.g. unpacked from an archive): delete the older "
-            "combination's results and run the workflow again"
+            "qdiff beside newer ones, e.g. unpacked from an archive, or jobs that imported "
+            "another checkout's qdiff): delete the older combination's results and run the "
+            "workflow again"
         )
 
 
