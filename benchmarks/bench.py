@@ -275,23 +275,23 @@ def exact_text(workdir: Path, ok: list[dict[str, Any]]) -> None:
             per_model.append(
                 f"{model} {forward / scoring:.2f}x ({forward:.1f} s / {scoring:.1f} s)"
             )
-    if f32:
-        line(
-            "exact text / f32 text",
-            exact / f32,
-            "x",
-            3.0,
-            "lower",
-            f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of CPU f32 scoring; "
-            + "; ".join(per_model),
-        )
+    if not f32:
+        print("  exact text: no ok exact text record with a CPU f32 text record beside it")
+        return
+    line(
+        "exact text / f32 text",
+        exact / f32,
+        "x",
+        3.0,
+        "lower",
+        f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of CPU f32 scoring; "
+        + "; ".join(per_model),
+    )
 
 
 def exact_text_of_a_run(args: argparse.Namespace, workdir: Path) -> None:
     """``--only exact-text``: the exact engine's ratio from a finished run's records in
     ``--workdir`` (e.g. config/long.yaml's, whose text is every window), nothing run."""
-    if not args.workdir:
-        sys.exit("--only exact-text reads a finished run's records: give its --workdir")
     print("exact engine along the text, from the records in", workdir)
     exact_text(workdir, ok_text_records(workdir))
 
@@ -671,6 +671,8 @@ def main() -> None:
     args = parser.parse_args()
     args.config = args.config.resolve()
     parts = args.only or ["pipeline", "compare", "planning"]
+    if "exact-text" in parts and not args.workdir:
+        sys.exit("--only exact-text reads a finished run's records: give its --workdir")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qdiff-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
     from qdiff.engine.provenance import machine

@@ -489,6 +489,22 @@ def test_tiny_is_decided_over_prompts_not_by_one_prompts_maximum() -> None:
     assert f.numbers["max_abs_median"] == 0.01 and f.numbers["ratio_low"] >= 10
 
 
+def test_tiny_needs_enough_finite_prompts_and_names_a_bit_identical_pair() -> None:
+    """A NaN prompt is left out (it made a "nan×" finding); fewer than 5 prompts decide
+    nothing (the interval would be one prompt's verdict); a pair bit-identical at the first
+    step is said to be, not "1e+291×" the others."""
+    records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
+    nan = {("cpu.f32", "gpu.f32"): [float("nan")] * 6 + [0.02] * 4}
+    found = diagnose(generating(records, {"gpu.f32": 1}), per_prompt(pairs, nan))
+    assert "tiny-yet-parts-early" not in rules(found)
+
+    records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
+    zero = {("cpu.f32", "gpu.f32"): [0.0] * 2 + [0.02] * 8}
+    found = diagnose(generating(records, {"gpu.f32": 1}), per_prompt(pairs, zero))
+    (f,) = [f for f in found if f.rule == "tiny-yet-parts-early"]
+    assert "(bit-identical at the first step on 2 of 10 prompts)" in f.text, f.text
+
+
 def test_no_finding_when_the_texts_part_late_rarely_or_after_a_large_difference() -> None:
     records, pairs = matrix(CPU_CUDA, ["none", "f32"], QUANTIZED_APART)
     per_prompt(pairs, {})

@@ -346,3 +346,33 @@ def test_rarer_files_agree_with_llama_cpp(tmp_path: Path, variant: Variant) -> N
     assert model.weights.unread() == []
     ignored = ("llama.attn_logit_softcapping", "llama.final_logit_softcapping")
     assert model.hp.unread_keys == (ignored if variant.softcaps else ())
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 300])
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("rounded", [False, True])
+def test_attention_by_blocks_of_queries_is_the_whole_matrixs(
+    n: int, window: int | None, rounded: bool
+) -> None:
+    """The engine's attention, block by block of queries over the keys they see, against
+    softmax over the whole (heads, n, n) matrix of scores: causal and sliding-window masks,
+    across the blocks' edges, with the weights rounded to f16 or not."""
+    from qdiff.exact.model import _softmax_attention
+    from qdiff.exact.roundings import Scores, f16
+
+    rng = np.random.default_rng(n)
+    q, k, v = (rng.normal(size=(n, 3, 8)) for _ in range(3))
+    positions = np.arange(n)
+    masked = positions[None, :] > positions[:, None]
+    if window:
+        masked |= positions[None, :] <= positions[:, None] - window
+    how = Scores(0.3, 5.0)
+    scores = how(q.transpose(1, 0, 2) @ k.transpose(1, 2, 0))
+    scores[:, masked] = -np.inf
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if rounded:
+        probs = f16(probs)
+    whole = (probs @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
+    blocks = _softmax_attention(q, k, v, masked, how, f16 if rounded else None)
+    np.testing.assert_allclose(blocks, whole, rtol=0, atol=1e-3 if rounded else 1e-14)

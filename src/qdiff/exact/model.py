@@ -123,7 +123,7 @@ def _softmax_attention(
     for start in range(0, n, ATTENTION_BLOCK):
         rows = slice(start, min(start + ATTENTION_BLOCK, n))
         seen = np.flatnonzero(~masked[rows].all(axis=0))
-        keys = slice(seen[0], seen[-1] + 1) if seen.size else slice(0, n)
+        keys = slice(seen[0], seen[-1] + 1) if seen.size else slice(0, masked.shape[1])
         scores = how(qh[:, rows] @ kh[:, :, keys])  # (heads, queries, keys)
         np.copyto(scores, -np.inf, where=masked[rows, keys])
         scores -= scores.max(axis=-1, keepdims=True)

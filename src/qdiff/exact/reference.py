@@ -152,6 +152,7 @@ class Workload:
     logit_rows: int
     longest: int = 0
     tokens: int = 0
+    kept_bytes: int = 0  # what the recorder keeps of the forced positions (ForcedRecorder)
 
 
 def memory_needed(model: Path, work: Workload, layer_by_layer: bool = False) -> int:
@@ -177,7 +178,7 @@ def memory_needed(model: Path, work: Workload, layer_by_layer: bool = False) -> 
     later = [v for k, v in sizes.items() if k.startswith("blk.") or k == "output.weight"]
     fixed = DEQUANTIZING * max(later, default=0) + logits + BASE_MEMORY
     fixed += READER_BYTES_PER_ENTRY * entries + model.stat().st_size
-    fixed += _activations(reader, sizes, work)
+    fixed += _activations(reader, sizes, work) + work.kept_bytes
     if not layer_by_layer:
         return 8 * sum(sizes.values()) + fixed
     layers: dict[str, int] = {}

@@ -44,7 +44,11 @@ class ExactInputs:
         else:  # the prompts and their forced text; two rows per prompt and one text's
             lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in prompts]
             rows = 2 * len(prompts) + max(lengths, default=0)
-        return Workload(rows, max(lengths, default=0), sum(lengths))
+        # the recorder's arrays, (prompts, longest forced text, ...): float64 logits and
+        # int32 ids of the slice and of the leading tokens, and 5 values of 8 bytes
+        forced = len(prompts) * max((len(p["tokens"]) for p in prompts), default=0)
+        kept = forced * (12 * (self.top_k + self.n_top) + 40) if self.configs is None else 0
+        return Workload(rows, max(lengths, default=0), sum(lengths), kept)
 
 
 def exact_stage(

@@ -65,6 +65,7 @@ COMPARABLE = 0.5
 TINY = 0.1  # tiny: the other pairs' first-step max |Δ| at least 1/TINY times a pair's
 PARTED = 0.5  # texts part early: on at least this share of the prompts,
 EARLY = 0.25  # at a median divergence index within this share of generation.n_tokens
+MIN_PROMPTS = 5  # prompts a "tiny" verdict is decided over, at least
 Key = tuple[str, str]  # (device, dequant)
 
 
@@ -343,7 +344,7 @@ def _tiny_yet_parts_early(m: Matrix) -> list[Finding]:
             continue
         others = [by_prompt[id(q)] for q in m.pairs.values() if q is not p]
         tiny = _tiny_against(by_prompt[id(p)], others)
-        if tiny is None or tiny["low"] < 1 / TINY:
+        if tiny is None or not tiny["low"] >= 1 / TINY:  # NaN is not tiny
             continue
         s = pair_stats(runs[p["a"]], runs[p["b"]])
         if _parts_early(s, cap):
@@ -357,13 +358,17 @@ def _max_abs_by_prompt(pair: dict[str, Any]) -> dict[str, float]:
 
 def _tiny_against(mine: dict[str, float], others: list[dict[str, float]]) -> dict[str, Any] | None:
     """How many times the other pairs' per-prompt median first-step max |Δ| is this pair's,
-    paired by prompt over the prompts every pair has, with its bootstrap interval
-    (``paired_ratio``); None without other pairs or shared prompts."""
-    shared = [pid for pid in mine if others and all(pid in o for o in others)]
-    if not shared:
+    paired by prompt (each prompt's median over the other pairs that have it), with its
+    bootstrap interval (``paired_ratio``); None with fewer than MIN_PROMPTS finite prompts,
+    where an interval would be one prompt's verdict."""
+    own, median = [], []
+    for pid, x in mine.items():
+        theirs = [o[pid] for o in others if pid in o and np.isfinite(o[pid])]
+        if theirs and np.isfinite(x):
+            own.append(x)
+            median.append(float(np.median(theirs)))
+    if len(own) < MIN_PROMPTS:
         return None
-    own = [mine[pid] for pid in shared]
-    median = [float(np.median([o[pid] for o in others])) for pid in shared]
     return {**paired_ratio(own, median), "own": own, "others": median}
 
 
@@ -377,12 +382,19 @@ def _tiny_yet_parted(
     p: dict[str, Any], s: dict[str, Any], tiny: dict[str, Any], n_others: int, cap: int
 ) -> Finding:
     own, others, n = float(np.median(tiny["own"])), float(np.median(tiny["others"])), s["n_prompts"]
+    identical = sum(x == 0 for x in tiny["own"])
+    if identical:  # a ratio against 0 says nothing a reader can use
+        ratio = f"bit-identical at the first step on {identical} of {tiny['n']} prompts"
+    else:
+        ratio = (
+            f"the others' median on each prompt is {tiny['ratio']:.3g}× this pair's, geometric "
+            f"mean over the prompts, {LEVEL:.0%} bootstrap interval "
+            f"{tiny['low']:.3g}–{tiny['high']:.3g}×"
+        )
     text = (
         f"`{p['a']}` vs `{p['b']}`: first-step max |Δ| a median {_fmt(own)} over "
         f"{plural(tiny['n'], 'prompt')}, against a median {_fmt(others)} for the model's "
-        f"{plural(n_others, 'other pair')} (the others' median on each prompt is "
-        f"{tiny['ratio']:.3g}× this pair's, geometric mean over the prompts, {LEVEL:.0%} "
-        f"bootstrap interval {tiny['low']:.3g}–{tiny['high']:.3g}×); yet their free-running "
+        f"{plural(n_others, 'other pair')} ({ratio}); yet their free-running "
         f"texts part on {s['diverged']} of these {n} prompts ({LEVEL:.0%} Wilson interval "
         f"{s['share_low']:.0%}–{s['share_high']:.0%}), at a median divergence index of "
         f"{s['median_index']:g} of at most {cap} tokens generated. On these prompts, a "
