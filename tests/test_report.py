@@ -263,7 +263,7 @@ def test_the_findings_rank_distances_from_exact_over_all_prompts() -> None:
 
 def test_the_findings_never_read_nothing_compared_as_equal() -> None:
     ran = ModelView("m", {"run": [run_record("cpu", "none")]}, [])
-    assert overview.found([ran]) == "- On `m`, no two combinations were compared."
+    assert overview.found([ran]) == "- On `m`, no two combinations' first steps were compared."
     same = ModelView("m", {"run": []}, [pair("cpu.none", "cpu.f32", 0.0, forked=0)])
     assert "every compared pair gave bit-identical first-step logits (1 pair(s), 4 prompts)" in (
         overview.found([same])

@@ -59,7 +59,7 @@ def _fork_sites(per_model: list[dict[tuple[str, int], list[str]]]) -> str:
 
 def _found(view: ModelView) -> str:
     if not view.ok_pairs:
-        said = f"On {code(view.model)}, no two combinations were compared"
+        said = f"On {code(view.model)}, no two combinations' first steps were compared"
     else:
         top = max(view.ok_pairs, key=headline)
         s = top["summary"]
