@@ -92,7 +92,8 @@ def test_the_exact_stages_memory_estimate_covers_its_peak(default_run: Workspace
     """The estimate the exact stage is refused by (qdiff.exact.reference.memory_needed) is never below
     the peak resident memory it measured, on the real models; and not far above."""
     for model in MODELS:
-        for name in ("record.json", "roundings.json"):  # the reference, the emulations
+        # the reference, the emulations, the text
+        for name in ("record.json", "roundings.json", "text.json"):
             record = json.loads((default_run.root / f"results/exact/{model}/{name}").read_text())
             estimate, peak = record["memory_estimate_mib"], record["peak_rss_mib"]
             assert peak <= estimate <= 1.5 * peak, (model, name, estimate, peak)

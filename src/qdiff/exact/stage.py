@@ -44,11 +44,20 @@ class ExactInputs:
         else:  # the prompts and their forced text; two rows per prompt and one text's
             lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in prompts]
             rows = 2 * len(prompts) + max(lengths, default=0)
-        # the recorder's arrays, (prompts, longest forced text, ...): float64 logits and
-        # int32 ids of the slice and of the leading tokens, and 5 values of 8 bytes
+        return Workload(rows, max(lengths, default=0), sum(lengths), self._kept_bytes())
+
+    def _kept_bytes(self) -> int:
+        """The recorder's arrays, (prompts, longest forced text, ...): float64 logits and
+        int32 ids of the slice (the teacher's, whose ids the child also holds) and of the
+        leading tokens, an int32 token and 3 values of 8 bytes; none for the emulations."""
+        if self.configs is not None:
+            return 0
+        prompts = self.run["prompts"]
         forced = len(prompts) * max((len(p["tokens"]) for p in prompts), default=0)
-        kept = forced * (12 * (self.top_k + self.n_top) + 40) if self.configs is None else 0
-        return Workload(rows, max(lengths, default=0), sum(lengths), kept)
+        if self.forced_data is None or self.forced is None:
+            return forced * (12 * (self.top_k + self.n_top) + 28)
+        k = int(self.forced["top_k"])  # the teacher's slice: the recorder keeps its width
+        return forced * (12 * (k + self.n_top) + 28 + 4 * k)
 
 
 def exact_stage(
