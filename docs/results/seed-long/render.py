@@ -1,5 +1,5 @@
 """Render what came back of the H200 run (docs/results/seed-long/README.md) with this
-checkout's report code: python docs/results/seed-long/render.py <unpacked h200-records.tgz> <folder>.
+checkout's report code: python docs/results/seed-long/render.py <unpacked h200-results.tgz> <folder>.
 The records and the text's statistics came back; the logits stayed on the machine, so no
 pair of first steps or teacher-forced passes, and no distance from exact, renders."""
 
