@@ -33,7 +33,9 @@ from qdiff.core.roundings import Roundings
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
+from qdiff.exact import dequantize
 from qdiff.exact.reference import Workload, memory_needed
+from qdiff.exact.stage import ExactInputs, memory_plan
 from tinymodel import SOFTCAPS, VARIANTS, Variant, write_tiny_llama, write_tiny_model, write_variant
 
 FLOAT32_BOUND = 1e-4
@@ -220,8 +222,11 @@ def test_a_wrong_engine_fails(
 
 @pytest.mark.parametrize("target", ["q8_0", "q4_1", "q5_0", "q4_k_m", "q6_k"])
 def test_dequantization_matches_llama_cpp_bit_for_bit(tmp_path: Path, target: str) -> None:
-    """gguf-py's dequantization against the f32 copy llama_model_quantize writes, for every
-    weight type of the shipped models (K-quants need rows of 256)."""
+    """The engine's dequantization (ggml's to_float) against the f32 copy
+    llama_model_quantize writes and against gguf-py's numpy dequantizers, for every weight
+    type of the shipped models (K-quants need rows of 256)."""
+    import gguf
+
     source = write_tiny_llama(tmp_path / "f32.gguf", n_embd=256, n_ff=512)
     quantized, copy = tmp_path / f"{target}.gguf", tmp_path / f"{target}.f32.gguf"
     quantize_in_child(source, quantized, target)
@@ -229,9 +234,25 @@ def test_dequantization_matches_llama_cpp_bit_for_bit(tmp_path: Path, target: st
     ours, theirs = exact.Weights(quantized), exact.Weights(copy)
     types = ours.types()
     assert set(types) - {"f32"}, types  # something was quantized
-    for name in ours._tensors:
+    for name, t in ours._tensors.items():
         a, b = ours.float32(name), theirs.float32(name)
         assert a.shape == b.shape and a.tobytes() == b.tobytes(), name
+        numpy_version = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        assert a.shape == numpy_version.shape and a.tobytes() == numpy_version.tobytes(), name
+
+
+def test_dequantizing_refuses_data_that_does_not_hold_the_values() -> None:
+    """ggml reads whole blocks (Q8_0: 34 bytes, 32 values): two rows of one block each
+    dequantize to 32 values a row; asked for 64, or for 48, it refuses before anything is
+    read, rather than read past the data."""
+    Q8_0 = 8  # ggml_type
+    rows = np.zeros((2, 34), dtype=np.uint8)
+    rows[:, 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)  # d = 1
+    rows[:, 2:] = np.arange(32, dtype=np.int8).view(np.uint8)
+    assert np.array_equal(dequantize.float32(rows, Q8_0, 32), np.tile(np.arange(32.0), (2, 1)))
+    for wrong in (64, 48):
+        with pytest.raises(ValueError, match="do not hold"):
+            dequantize.float32(rows, Q8_0, wrong)
 
 
 def test_an_architecture_it_does_not_know_is_named(tmp_path: Path) -> None:
@@ -285,6 +306,25 @@ def test_layer_by_layer_is_the_same_arithmetic_in_less_memory(
     assert not any(name.startswith("blk.") for name in by_layer.weights._cache)
     work = Workload(logit_rows=1, longest=5, tokens=8)
     assert memory_needed(path, work, layer_by_layer=True) < memory_needed(path, work)
+
+
+def test_the_reference_holds_one_layer_at_a_time_and_the_emulations_keep_what_fits(
+    tiny: Callable[[str], Path],
+) -> None:
+    """The reference reads each weight once, so it holds one layer's weights whatever the
+    memory; the emulations read them once per set of roundings, so they keep them all where
+    that fits, and go layer by layer only where it does not."""
+    path = tiny("llama")
+    run = {"prompts": [{"prompt_tokens": [1, 5, 9], "tokens": [20, 33]}]}
+    plain = ExactInputs(model=path, info={}, run=run, forced_data=None, forced=None, top_k=4)
+    emulating = dataclasses.replace(plain, configs={"kv_f16": {"kv_f16": True}})
+    kept = memory_needed(path, emulating.workload())
+    assert memory_plan(plain, max_memory_gib=64) == (
+        memory_needed(path, plain.workload(), layer_by_layer=True),
+        True,
+    )
+    assert memory_plan(emulating, max_memory_gib=64) == (kept, False)
+    assert memory_plan(emulating, max_memory_gib=(kept - 1) / 2**30)[1] is True
 
 
 def test_what_the_engine_does_not_read_is_named(tmp_path: Path) -> None:

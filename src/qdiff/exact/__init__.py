@@ -3,8 +3,8 @@
 llama.cpp is not exact even on f32 weights: the CPU backend evaluates GELU through an fp16
 table, the KV cache is f16 by default, and every backend sums in its own order. This module
 computes the model's mathematical definition instead, in float64 throughout: the weights
-dequantized exactly as llama.cpp dequantizes them (gguf-py's ``gguf.quants``, checked bit
-for bit against the f32 copy llama.cpp writes), RMS norms, RoPE angles, the attention
+dequantized exactly as llama.cpp dequantizes them (ggml's own ``to_float``, checked bit
+for bit against the f32 copy llama.cpp writes and gguf-py's ``gguf.quants``), RMS norms, RoPE angles, the attention
 softmax and the activation (Gemma: the tanh-approximated GELU, computed exactly), with no
 KV-cache rounding. float64 has 2^29 times finer rounding than float32, so against any
 llama.cpp run its own error is nil.

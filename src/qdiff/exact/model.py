@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from qdiff.core.roundings import Roundings
+from qdiff.exact import dequantize
 from qdiff.exact.architectures import read_hparams
 from qdiff.exact.roundings import (
     CPU_VEC_DOT_TYPE,
@@ -35,7 +36,6 @@ class Weights:
     def __init__(self, path: Path) -> None:
         import gguf
 
-        self._gguf = gguf
         self.reader = gguf.GGUFReader(path)
         self._tensors = {t.name: t for t in self.reader.tensors}
         self._cache: dict[str, np.ndarray] = {}
@@ -55,7 +55,7 @@ class Weights:
     def float32(self, name: str) -> np.ndarray:
         """A tensor as llama.cpp dequantizes it (float32), numpy's row-major shape."""
         t = self._tensors[name]
-        return np.asarray(self._gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        return dequantize.float32(t.data, int(t.tensor_type), int(t.shape[0]))
 
     def __getitem__(self, name: str) -> np.ndarray:
         self.read.add(name)

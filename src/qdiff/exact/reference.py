@@ -140,8 +140,9 @@ BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
 READER_BYTES_PER_ENTRY = 1200  # gguf-py's reader holds each entry of a metadata array
 #   (token, score, type, merge) as arrays of its own: 912-1132 bytes of resident memory
 #   measured on Gemma 3's 786,468 entries, Qwen2.5's 455,285 and SmolLM2's 147,237
-DEQUANTIZING = 9  # bytes per value above the float64 kept, while a tensor is dequantized:
-#   its peak was 16.2-17.1 bytes per value above the process's memory before it (Q8_0, Q5_0)
+DEQUANTIZING = 5  # bytes per value above the float64 kept, while a tensor is dequantized:
+#   the float32 values ggml writes (qdiff.exact.dequantize) and the file's pages read; its
+#   peak was 13.1-13.7 bytes per value above the process's memory before it (Q8_0, Q6_K)
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ def exact_stage(
     ]
     if not_ok:
         raise StageError(f"no exact reference: {failure_text(not_ok[0])}")
-    needed, layer_by_layer = _memory_plan(inputs, max_memory_gib)
+    needed, layer_by_layer = memory_plan(inputs, max_memory_gib)
     with log.open("a") as out:  # before it starts, so a user watching the log knows
         mode = "one layer's weights at a time" if layer_by_layer else "every weight kept"
         out.write(f"qdiff: the float64 engine needs about {needed / GIB:.2f} GiB ({mode})\n")
@@ -121,18 +121,21 @@ def exact_stage(
     return {"status": "ok", **record, "memory_estimate_mib": round(needed / 2**20, 1)}
 
 
-def _memory_plan(inputs: ExactInputs, max_memory_gib: float | None) -> tuple[int, bool]:
+def memory_plan(inputs: ExactInputs, max_memory_gib: float | None) -> tuple[int, bool]:
     """The engine's estimate in bytes, and whether it holds one layer's weights in float64
-    at a time: only when keeping them all would not fit (each weight is then dequantized
-    once per emulated set, not once). Refused (StageError) when neither fits."""
+    at a time. The reference takes every sequence through a layer before the next, so it
+    reads each weight once: it always does (half the memory, and freed pages reused rather
+    than new ones touched). The emulations take the prompts through the layers once per
+    set of roundings, so they keep every weight where that fits. Refused (StageError) when
+    neither fits."""
     limit, what = (
         (max_memory_gib * GIB, "exact.max_memory_gib") if max_memory_gib else available_memory()
     )
     work = inputs.workload()
     kept = memory_needed(inputs.model, work)
-    if kept <= limit:
+    if inputs.configs is not None and kept <= limit:
         return kept, False
-    by_layer = memory_needed(inputs.model, work, layer_by_layer=True)  # only when needed
+    by_layer = memory_needed(inputs.model, work, layer_by_layer=True)
     if by_layer <= limit:
         return by_layer, True
     raise StageError(

@@ -1,0 +1,76 @@
+"""A GGUF tensor's values as llama.cpp dequantizes them: ggml's own ``to_float`` for its type
+(``ggml_get_type_traits``, in the libggml-base that llama-cpp-python ships), called through
+ctypes. gguf-py's numpy dequantizers give the same float32 values bit for bit on every type
+of the project's models (tests/test_exact.py), but take 5-10 times longer: on the 2-core AMD
+EPYC, Gemma 3 270M's Q4_K_M file 7.3 s against 1.5 s, SmolLM2's Q4_K_M 2.5 s against 0.23 s
+(docs/performance.md). Only libggml-base is loaded: no backend, no GPU library."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+F32 = 0  # ggml_type GGML_TYPE_F32: no conversion
+
+
+class _TypeTraits(ctypes.Structure):
+    """``struct ggml_type_traits`` (ggml.h, at the vendored commit of llama-cpp-python
+    0.3.36): only ``to_float`` is called."""
+
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+@functools.cache
+def _ggml_base() -> ctypes.CDLL:
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "llama-cpp-python is not installed in this environment: run ./setup",
+            name="llama_cpp",
+        )
+    lib = ctypes.CDLL(str(Path(spec.submodule_search_locations[0]) / "lib" / "libggml-base.so"))
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    return lib
+
+
+@functools.cache
+def _to_float(ggml_type: int) -> Any:
+    traits = _ggml_base().ggml_get_type_traits(ggml_type).contents
+    if not traits.to_float:
+        raise ValueError(f"ggml has no conversion to float for type {traits.type_name!r}")
+    return _TO_FLOAT(traits.to_float)
+
+
+def float32(data: np.ndarray, ggml_type: int, row_length: int) -> np.ndarray:
+    """The values of a tensor's raw ``data`` (gguf-py's view of the file: rows of blocks'
+    bytes) of ``ggml_type``, as float32 in numpy's row-major shape, rows of ``row_length``
+    values (gguf-py's ``dequantize`` gives the same shape)."""
+    if ggml_type == F32:
+        return np.asarray(data, dtype=np.float32)
+    traits = _ggml_base().ggml_get_type_traits(ggml_type).contents
+    raw = np.ascontiguousarray(data)
+    out = np.empty((*raw.shape[:-1], row_length), dtype=np.float32)
+    # ggml reads whole blocks: a mismatch would read past the data, so it is refused
+    if out.size % traits.blck_size or raw.nbytes != out.size // traits.blck_size * traits.type_size:
+        raise ValueError(
+            f"{raw.nbytes} bytes of {traits.type_name.decode()} do not hold {out.size} values"
+        )
+    _to_float(ggml_type)(raw.ctypes.data, out.ctypes.data, out.size)
+    return out
