@@ -1,9 +1,10 @@
 """A GGUF tensor's values as llama.cpp dequantizes them: ggml's own ``to_float`` for its type
 (``ggml_get_type_traits``, in the libggml-base that llama-cpp-python ships), called through
 ctypes. gguf-py's numpy dequantizers give the same float32 values bit for bit on every type
-of the project's models (tests/test_exact.py), but take 5-10 times longer: on the 2-core AMD
-EPYC, Gemma 3 270M's Q4_K_M file 7.3 s against 1.5 s, SmolLM2's Q4_K_M 2.5 s against 0.23 s
-(docs/performance.md). Only libggml-base is loaded: no backend, no GPU library."""
+of the project's models (tests/test_exact.py), but take 3-13 times longer: on the 2-core AMD
+EPYC, Gemma 3 270M's Q4_K_M file 3.57 s against 1.08 s, SmolLM2's Q4_K_M 2.34 s against
+0.24 s (docs/results/bench-epyc/dequantize-ggml.log). Only libggml-base is loaded: no
+backend, no GPU library."""
 
 from __future__ import annotations
 

@@ -2,13 +2,19 @@
 
 Every finding names its rule and the numbers it rests on; nothing is fixed text. Rules:
 
+Every comparison of two differences is decided over the prompts, never by one prompt's
+maximum: the geometric mean of the per-prompt ratio of first-step max |Δ| with its bootstrap
+interval (qdiff.compare.stats.paired_ratio), over at least ``MIN_PROMPTS`` prompts; a rule
+fires only when the whole interval is past its threshold.
+
 - ``activation-quantization``: for two devices that ran the file (``none``) and its ``f32``
   copy, the file's difference is at least ``AMPLIFICATION`` times the copies'. The weights are
   the same in both cases, so the excess comes from the quantized-weight kernels, which round
   the activations (formats per backend from qdiff.core.backends).
 - ``float-precision``: two backends' ``f32`` copies differ by no more than one fp16 rounding of
   the weights on one device (its ``f32`` vs ``f16`` copy): summation order, TF32 and fp16
-  arithmetic explain a gap of that size. A larger gap is reported as unexplained.
+  arithmetic explain a gap of that size. A gap larger over the prompts is reported as
+  unexplained.
 - ``setting``: two devices of the same backend that differ only in settings: the setting
   change, and how far it moves the logits on each file.
 - ``device-blame``: on the quantized file, a same-backend setting change moves the logits at
@@ -45,6 +51,7 @@ With the exact answer of the weights (qdiff.exact, qdiff.compare.distance):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Any
@@ -55,7 +62,7 @@ from qdiff.compare.budget import verdict
 from qdiff.compare.forced import MIN_SCALE_POSITIONS, TIE_FACTOR
 from qdiff.compare.generations import generation_cap, generations_of, pair_stats
 from qdiff.compare.pairs import headline
-from qdiff.compare.stats import LEVEL, paired_ratio
+from qdiff.compare.stats import LEVEL, geometric_mean, paired_ratio
 from qdiff.core import markdown
 from qdiff.core.backends import BACKENDS
 from qdiff.core.labels import Combination, Pair
@@ -106,15 +113,21 @@ class Matrix:
         p = self.pair(a, b)
         return None if p is None else headline(p)
 
+    def by_prompt(self, a: Key, b: Key) -> dict[str, float]:
+        """A pair's first-step max |Δ| per prompt; empty for a pair not compared."""
+        p = self.pair(a, b)
+        return {} if p is None else _max_abs_by_prompt(p)
+
     def weight_types(self, dequant: str) -> list[str]:
         for (_, dq), r in self.records.items():
             if dq == dequant:
                 return list(r["provenance"]["model_file"]["weight_types"])
         return []
 
-    def from_exact(self, key: Key) -> float | None:
+    def from_exact(self, key: Key) -> list[float] | None:
+        """A combination's first-step max |Δ| from exact per prompt, where measured."""
         row = self.exact.get(key)
-        return None if row is None else row["first_step"]["max_abs"]
+        return None if row is None else _per_prompt(row)
 
     def settings_only(self, d1: str, d2: str) -> list[str] | None:
         """The settings that differ between two devices of one backend, else None; as the
@@ -125,32 +138,72 @@ class Matrix:
         return None if p is None else [markdown.text(d) for d in p["differs"]]
 
 
-def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
-    q, f = m.max_abs((d1, "none"), (d2, "none")), m.max_abs((d1, "f32"), (d2, "f32"))
-    if q is None or f is None or q == 0 or q < AMPLIFICATION * f:
+def _paired(near: dict[str, float], far: dict[str, float]) -> dict[str, Any] | None:
+    """How many times ``far`` is ``near``, paired by prompt over the prompts both have with
+    finite values (``paired_ratio``). A prompt where either is 0 (bit-identical) has no
+    ratio: it is left out and counted (``zeros``); where ``near`` is 0 on every prompt and
+    ``far`` is not, the ratio is infinite. None with fewer than MIN_PROMPTS prompts to pair,
+    where an interval would be one prompt's verdict."""
+    common = [p for p in near if p in far and math.isfinite(near[p]) and math.isfinite(far[p])]
+    if len(common) < MIN_PROMPTS:
         return None
-    ratio = "∞" if f == 0 else f"{q / f:.0f}×"
+    both = [p for p in common if near[p] > 0 and far[p] > 0]
+    extra = {"zeros": len(common) - len(both), "worst_near": max(near[p] for p in common)}
+    extra["worst_far"] = max(far[p] for p in common)
+    if len(both) < MIN_PROMPTS:
+        if extra["worst_near"] == 0 < extra["worst_far"]:
+            infinite = {"ratio": math.inf, "low": math.inf, "high": math.inf}
+            return {**infinite, "n": 0, "farther_on": 0, "verdict": "farther", **extra}
+        return None
+    return {**paired_ratio([near[p] for p in both], [far[p] for p in both]), **extra}
+
+
+def _how(r: dict[str, Any], of: str = "first-step max |Δ|") -> str:
+    """How a paired ratio of ``_paired`` was decided, for a finding's text."""
+    if r["n"] == 0:
+        return (
+            f"bit-identical on every prompt on one side, up to {_fmt(r['worst_far'])} on the other"
+        )
+    zeros = (
+        f"; {plural(r['zeros'], 'prompt')} bit-identical on a side left out" if r["zeros"] else ""
+    )
+    return (
+        f"geometric mean over {r['n']} prompts of the per-prompt ratio of {of}, {LEVEL:.0%} "
+        f"bootstrap interval {r['low']:.3g}–{r['high']:.3g}; worst prompts "
+        f"{_fmt(r['worst_far'])} vs {_fmt(r['worst_near'])}{zeros}"
+    )
+
+
+def _ratio_numbers(r: dict[str, Any]) -> dict[str, float]:
+    return {"ratio": r["ratio"], "low": r["low"], "high": r["high"]}
+
+
+def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
+    r = _paired(m.by_prompt((d1, "f32"), (d2, "f32")), m.by_prompt((d1, "none"), (d2, "none")))
+    if r is None or not r["low"] >= AMPLIFICATION:
+        return None
+    ratio = "∞" if math.isinf(r["ratio"]) else f"{r['ratio']:.3g}×"
     types = m.weight_types("none")
     same = m.backend[d1] == m.backend[d2]
     what = f"same backend, {'; '.join(m.settings_only(d1, d2) or [])}: " if same else ""
     head = (
-        f"`{d1}` vs `{d2}` ({what}the quantized file differs {ratio} more than its f32 copies, "
-        f"max |Δ| {_fmt(q)} vs {_fmt(f)}). The weights are the same, so the excess comes from "
+        f"`{d1}` vs `{d2}` ({what}the quantized file differs {ratio} more than its f32 copies: "
+        f"{_how(r)}). The weights are the same, so the excess comes from "
     )
-    numbers = {"quantized": q, "f32": f}
+    numbers = {"quantized": r["worst_far"], "f32": r["worst_near"], **_ratio_numbers(r)}
     rounds, keeps = _who_rounds(m, (d1, d2))
     if rounds or keeps:  # the exact answer says which side's quantized kernels round
         parts = [
-            f"`{d}`'s file run is {_fmt(x)} from exact, its f32 copy {_fmt(y)} "
+            f"`{d}`'s file run is {_from_exact_text(x)} "
             f"({BACKENDS[m.backend[d]].activation_formats(types)})"
-            for d, x, y in rounds
+            for d, x in rounds
         ]
         parts += [
-            f"`{d}`'s file run is about as near exact as its f32 copy ({_fmt(x)} vs {_fmt(y)}): "
-            "its kernels add no comparable rounding here"
-            for d, x, y in keeps
+            f"`{d}`'s file run is {_from_exact_text(x)}: its kernels add no rounding of that "
+            "size here"
+            for d, x in keeps
         ]
-        sides = " and ".join(f"`{d}`" for d, _, _ in rounds) or "neither side"
+        sides = " and ".join(f"`{d}`" for d, _ in rounds) or "neither side"
         return Finding(
             "activation-quantization",
             head + f"the quantized-weight kernels of {sides}: " + "; ".join(parts) + ".",
@@ -166,50 +219,70 @@ def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
     )
 
 
+def _from_exact_text(r: dict[str, Any]) -> str:
+    return (
+        f"{r['ratio']:.3g}× as far from exact as its f32 copy (typical {_fmt(r['file'])} vs "
+        f"{_fmt(r['copy'])}; {LEVEL:.0%} interval {r['low']:.3g}–{r['high']:.3g} over "
+        f"{r['n']} prompts)"
+    )
+
+
 def _who_rounds(
     m: Matrix, devices: tuple[str, str]
-) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
-    """Of the devices whose file run and f32 copy were both measured against exact: those
-    whose file run is ``AMPLIFICATION`` times further from exact (their quantized kernels
-    round), and those whose file run is not."""
-    rounds: list[tuple[str, float, float]] = []
-    keeps: list[tuple[str, float, float]] = []
+) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, dict[str, Any]]]]:
+    """Of the devices whose file run and f32 copy were both measured against exact, prompt
+    by prompt: those whose file run is at least ``AMPLIFICATION`` times further from exact
+    over the prompts (their quantized kernels round: the interval's lower end), and those
+    whose file run is less (its upper end); a device the interval leaves undecided is in
+    neither."""
+    rounds: list[tuple[str, dict[str, Any]]] = []
+    keeps: list[tuple[str, dict[str, Any]]] = []
     for d in devices:
-        x, y = m.from_exact((d, "none")), m.from_exact((d, "f32"))
-        if x is None or y is None:
+        file, copy = m.from_exact((d, "none")), m.from_exact((d, "f32"))
+        if file is None or copy is None or len(file) != len(copy) or len(file) < MIN_PROMPTS:
             continue
-        (rounds if x >= AMPLIFICATION * y else keeps).append((d, x, y))
+        r = {**paired_ratio(copy, file), "file": geometric_mean(file), "copy": geometric_mean(copy)}
+        if r["low"] >= AMPLIFICATION:
+            rounds.append((d, r))
+        elif r["high"] < AMPLIFICATION:
+            keeps.append((d, r))
     return rounds, keeps
 
 
 def _float_precision(m: Matrix, d1: str, d2: str) -> Finding | None:
     if m.backend[d1] == m.backend[d2]:
         return None
-    f = m.max_abs((d1, "f32"), (d2, "f32"))
-    if f is None:
+    f = m.by_prompt((d1, "f32"), (d2, "f32"))
+    if not f:
         return None
-    roundings = [x for d in (d1, d2) if (x := m.max_abs((d, "f32"), (d, "f16"))) is not None]
-    if not roundings:
+    halves = [x for d in (d1, d2) if (x := m.by_prompt((d, "f32"), (d, "f16")))]
+    # per prompt, the larger of the two devices' fp16 roundings of the weights
+    h = {p: max(x[p] for x in halves if p in x) for p in f if any(p in x for x in halves)}
+    r = _paired(h, f) if h else None
+    gap = f"{_fmt(float(np.median(list(f.values()))))} (median over prompts, worst {_fmt(max(f.values()))})"
+    if r is None:
         return Finding(
             "unexplained",
-            f"`{d1}` vs `{d2}`: their f32 copies differ by {_fmt(f)}; with no f16 copy to "
-            "compare against, this gap is unexplained.",
-            {"f32": f},
+            f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}; with no f16 copy to compare "
+            "against on enough prompts, this gap is unexplained.",
+            {"f32": max(f.values())},
         )
-    h = max(roundings)
-    if f <= h:
+    numbers = {"f32": r["worst_far"], "fp16_rounding": r["worst_near"], **_ratio_numbers(r)}
+    versus = f"{r['ratio']:.3g}× one fp16 rounding of the weights on one device (f32 vs f16 copy): {_how(r)}"
+    if r["low"] > 1:
         return Finding(
-            "float-precision",
-            f"`{d1}` vs `{d2}`: their f32 copies differ by {_fmt(f)}, no more than one fp16 "
-            f"rounding of the weights on one device (f32 vs f16 copy: {_fmt(h)}). Float "
-            "summation order and TF32/fp16 arithmetic explain a gap of this size.",
-            {"f32": f, "fp16_rounding": h},
+            "unexplained",
+            f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}, more than one fp16 rounding "
+            f"of the weights ({versus}): unexplained by float precision.",
+            numbers,
         )
+    size = "no more than" if r["high"] <= 1 else "about as large as"
     return Finding(
-        "unexplained",
-        f"`{d1}` vs `{d2}`: their f32 copies differ by {_fmt(f)}, more than one fp16 rounding "
-        f"of the weights ({_fmt(h)}): unexplained by float precision.",
-        {"f32": f, "fp16_rounding": h},
+        "float-precision",
+        f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}, {size} one fp16 rounding of "
+        f"the weights on one device ({versus}). Float summation order and TF32/fp16 "
+        "arithmetic explain a gap of this size.",
+        numbers,
     )
 
 
@@ -224,10 +297,11 @@ def _settings(m: Matrix, d1: str, d2: str) -> Finding | None:
             continue
         s = p["summary"]
         numbers[dq] = headline(p)
+        typical = _median_text(_max_abs_by_prompt(p), headline(p))
         parts.append(
             f"{dq}: bit-identical on all {s['n_prompts']} prompts"
             if s["bit_identical_count"] == s["n_prompts"]
-            else f"{dq}: max |Δ| {_fmt(headline(p))}, forks {s['forked']}/{s['n_prompts']}"
+            else f"{dq}: max |Δ| {typical}, forks {s['forked']}/{s['n_prompts']}"
         )
     return Finding(
         "setting",
@@ -238,28 +312,37 @@ def _settings(m: Matrix, d1: str, d2: str) -> Finding | None:
     )
 
 
+def _median_text(by_prompt: dict[str, float], worst: float) -> str:
+    """A pair's first-step max |Δ| as the findings state it: the median over prompts and
+    the worst."""
+    if not by_prompt:
+        return f"{_fmt(worst)} (worst prompt)"
+    return f"{_fmt(float(np.median(list(by_prompt.values()))))} median over prompts, worst {_fmt(worst)}"
+
+
 def _device_blame(m: Matrix, d1: str, d2: str) -> Finding | None:
     if m.backend[d1] == m.backend[d2]:
         return None
-    cross = m.max_abs((d1, "none"), (d2, "none"))
-    if not cross:
+    cross = m.by_prompt((d1, "none"), (d2, "none"))
+    if not cross or not any(cross.values()):
         return None
-    best: tuple[float, str, str] | None = None
+    best: tuple[dict[str, Any], str, str] | None = None
     for a, b in combinations(m.devices, 2):
         single = len(m.settings_only(a, b) or []) == 1  # one named cause, not a mix
         if single and m.backend[a] in (m.backend[d1], m.backend[d2]):
-            x = m.max_abs((a, "none"), (b, "none"))
-            if x is not None and (best is None or x > best[0]):
-                best = (x, a, b)
-    if best is None or best[0] < COMPARABLE * cross:
+            r = _paired(cross, m.by_prompt((a, "none"), (b, "none")))
+            if r is not None and (best is None or r["ratio"] > best[0]["ratio"]):
+                best = (r, a, b)
+    if best is None or not best[0]["low"] >= COMPARABLE:
         return None
-    x, a, b = best
+    r, a, b = best
     return Finding(
         "device-blame",
-        f"`{d1}` vs `{d2}` on the quantized file: {_fmt(cross)}. A same-backend change "
-        f"(`{a}` vs `{b}`: {'; '.join(m.settings_only(a, b) or [])}) moves it {_fmt(x)}, "
-        f"{x / cross:.0%} as much, so the change of device is not the only cause of forks.",
-        {"cross_device": cross, "same_device": x},
+        f"`{d1}` vs `{d2}` on the quantized file: first-step max |Δ| "
+        f"{_median_text(cross, max(cross.values()))}. A same-backend change (`{a}` vs `{b}`: "
+        f"{'; '.join(m.settings_only(a, b) or [])}) moves it {r['ratio']:.0%} as much ({_how(r)}), "
+        "so the change of device is not the only cause of forks.",
+        {"cross_device": r["worst_near"], "same_device": r["worst_far"], **_ratio_numbers(r)},
     )
 
 
@@ -562,12 +645,17 @@ def _float_path(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
         )
         numbers = {"f32": d}
         f32_kv = _f32_kv_sibling(m, device)
-        if f32_kv is not None and (k := m.from_exact((f32_kv, "f32"))) is not None and k < d:
-            numbers["f32_kv_cache"] = k
-            text += (
-                f" With the KV cache in f32 (`{f32_kv}.f32`, measured) it is {_fmt(k)}: the "
-                f"f16 KV cache accounts for {1 - k / d:.1%} of that distance."
-            )
+        mine, theirs = _per_prompt(row), None if f32_kv is None else m.from_exact((f32_kv, "f32"))
+        if mine and theirs and len(mine) == len(theirs) >= MIN_PROMPTS:
+            r = paired_ratio(theirs, mine)  # how many times this device's distance is theirs
+            if r["verdict"] == "farther":  # the f32 KV cache is nearer exact on these prompts
+                numbers |= {"f32_kv_cache": max(theirs), **_ratio_numbers(r)}
+                text += (
+                    f" With the KV cache in f32 (`{f32_kv}.f32`, measured) it is "
+                    f"{_fmt(max(theirs))}: the f16 KV cache accounts for {1 - 1 / r['ratio']:.1%} "
+                    f"of that distance (1 − 1/the paired ratio; {LEVEL:.0%} interval "
+                    f"{1 - 1 / r['low']:.1%}–{1 - 1 / r['high']:.1%} over {r['n']} prompts)."
+                )
         findings.append(Finding("float-path", text, numbers))
     return findings
 
@@ -656,11 +744,13 @@ def diagnose(
         explained = {"activation-quantization", "float-precision", "setting"}
         cross = m.max_abs((d1, "none"), (d2, "none"))
         if cross and not explained & {f.rule for f in found}:
+            by_prompt = m.by_prompt((d1, "none"), (d2, "none"))
             found.append(
                 Finding(
                     "unexplained",
-                    f"`{d1}` vs `{d2}`: the quantized file differs by {_fmt(cross)}; no rule "
-                    "explains it (run an f32 copy on both devices to separate the causes).",
+                    f"`{d1}` vs `{d2}`: the quantized file differs by "
+                    f"{_median_text(by_prompt, cross)} (first-step max |Δ|); no rule explains "
+                    "it (run an f32 copy on both devices to separate the causes).",
                     {"quantized": cross},
                 )
             )
