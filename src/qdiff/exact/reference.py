@@ -157,16 +157,24 @@ class Workload:
 
 
 def memory_needed(model: Path, work: Workload, layer_by_layer: bool = False) -> int:
-    """Bytes ``reference`` or ``emulate`` needs for ``model`` and ``work``, read off the file
-    before anything is loaded: every weight in float64 (they are kept; ``layer_by_layer``,
-    those outside the layers and the largest layer's), what dequantizing the largest one
-    read after the embeddings takes beside its float64 copy, the file's pages the reader maps, its parsed metadata, the
-    logits, one layer's activations for the longest sequence (its mask; three arrays of
-    scores per head for a block of queries; Q, K and V and their copies per head; the
-    feed-forward's products; the residual stream)
-    and every sequence's hidden state, and a base. tests/test_gemma.py checks it against
-    the peak resident memory of the default experiment's models: never below, and within
-    1.5x; tests/test_exact.py against a long sequence's."""
+    """``memory_estimates``' figure for one way of holding the weights."""
+    kept, by_layer = memory_estimates(model, work)
+    return by_layer if layer_by_layer else kept
+
+
+def memory_estimates(model: Path, work: Workload) -> tuple[int, int]:
+    """Bytes ``reference`` or ``emulate`` needs for ``model`` and ``work`` with every weight
+    kept in float64, and with one layer's at a time (those outside the layers and the
+    largest layer's), from one reading of the file before anything is loaded (gguf-py's
+    reader took 18 s on Gemma 3's file on the 2-core AMD EPYC). Beside the weights: what
+    dequantizing the largest one read after the embeddings takes beside its float64 copy,
+    the file's pages the reader maps, its parsed metadata, the logits, one layer's
+    activations for the longest sequence (its mask; three arrays of scores per head for a
+    block of queries; Q, K and V and their copies per head; the feed-forward's products;
+    the residual stream) and every sequence's hidden state, and a base.
+    tests/test_gemma.py checks it against the peak resident memory of the default
+    experiment's models: never below, and within 1.5x; tests/test_exact.py against a long
+    sequence's."""
     import gguf
 
     reader = gguf.GGUFReader(model)
@@ -180,15 +188,14 @@ def memory_needed(model: Path, work: Workload, layer_by_layer: bool = False) -> 
     fixed = DEQUANTIZING * max(later, default=0) + logits + BASE_MEMORY
     fixed += READER_BYTES_PER_ENTRY * entries + model.stat().st_size
     fixed += _activations(reader, sizes, work) + work.kept_bytes
-    if not layer_by_layer:
-        return 8 * sum(sizes.values()) + fixed
     layers: dict[str, int] = {}
     for name, size in sizes.items():
         if name.startswith("blk."):
             layer = name.split(".")[1]
             layers[layer] = layers.get(layer, 0) + size
     outside = sum(sizes.values()) - sum(layers.values())
-    return 8 * (outside + max(layers.values(), default=0)) + fixed
+    kept = 8 * sum(sizes.values()) + fixed
+    return kept, 8 * (outside + max(layers.values(), default=0)) + fixed
 
 
 def _activations(reader: Any, sizes: dict[str, int], work: Workload) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 from qdiff.core.io import read_json, write_json
 from qdiff.core.records import failure_text
-from qdiff.exact.reference import ERROR_FILE, UNSUPPORTED, Workload, memory_needed
+from qdiff.exact.reference import ERROR_FILE, UNSUPPORTED, Workload, memory_estimates
 from qdiff.jobs import StageError, available_memory, child_outcome, spawn
 
 GIB = 2**30
@@ -131,11 +131,9 @@ def memory_plan(inputs: ExactInputs, max_memory_gib: float | None) -> tuple[int,
     limit, what = (
         (max_memory_gib * GIB, "exact.max_memory_gib") if max_memory_gib else available_memory()
     )
-    work = inputs.workload()
-    kept = memory_needed(inputs.model, work)
+    kept, by_layer = memory_estimates(inputs.model, inputs.workload())
     if inputs.configs is not None and kept <= limit:
         return kept, False
-    by_layer = memory_needed(inputs.model, work, layer_by_layer=True)
     if by_layer <= limit:
         return by_layer, True
     raise StageError(
