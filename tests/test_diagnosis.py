@@ -116,14 +116,25 @@ def test_activation_quantization_is_decided_over_prompts_not_by_one_prompts_maxi
     )
     (found,) = [f for f in diagnose(records, pairs) if f.rule == "activation-quantization"]
     assert "geometric mean over 7 prompts" in found.text
-    assert "1 prompt bit-identical on a side left out" in found.text
+    assert (
+        "1 prompt where the f32 copies alone are bit-identical (an unbounded ratio)" in found.text
+    )
+    assert "interval 100–inf" in found.text
     records, pairs = matrix(
         CPU_CUDA, ["none", "f32"], {("cpu.none", "gpu.none"): 2.0, ("cpu.f32", "gpu.f32"): 0.0}
     )
     (found,) = [f for f in diagnose(records, pairs) if f.rule == "activation-quantization"]
-    assert "differs ∞ more than its f32 copies: bit-identical on every prompt on one side" in (
-        found.text
+    assert (
+        "differs ∞ more than its f32 copies: the f32 copies bit-identical on 8 prompts where"
+        in (found.text)
     )
+    # bit-identical copies everywhere, the file's runs apart on one prompt only: no verdict
+    records, pairs = matrix(
+        CPU_CUDA,
+        ["none", "f32"],
+        {("cpu.none", "gpu.none"): [2.0] + [0.0] * 7, ("cpu.f32", "gpu.f32"): 0.0},
+    )
+    assert "activation-quantization" not in rules(diagnose(records, pairs))
 
 
 def test_no_activation_quantization_when_copies_differ_as_much() -> None:
@@ -154,7 +165,7 @@ def test_float_precision_when_the_f32_gap_is_within_one_fp16_rounding() -> None:
             "high": 0.03 / 0.13,
         }
     )
-    assert "differ by 0.0248 (median over prompts, worst 0.03), no more than one fp16" in fp[0].text
+    assert "differ by 0.0248 median over prompts, worst 0.03, no more than one fp16" in fp[0].text
     assert "unexplained" not in rules(found)
 
 
@@ -167,7 +178,27 @@ def test_f32_gap_beyond_fp16_rounding_is_unexplained() -> None:
     }
     found = diagnose(*matrix(CPU_CUDA, ["none", "f32", "f16"], gaps))
     assert "float-precision" not in rules(found)
-    assert any(f.rule == "unexplained" and "more than one fp16 rounding" in f.text for f in found)
+    assert any(
+        f.rule == "unexplained"
+        and "5× one fp16 rounding of the weights" in f.text
+        and "unexplained by float precision" in f.text
+        for f in found
+    )
+
+
+def test_bit_identical_f32_copies_need_no_explanation_and_too_few_prompts_are_said() -> None:
+    records, pairs = matrix(
+        CPU_CUDA, ["none", "f32"], {("cpu.none", "gpu.none"): 2.0, ("cpu.f32", "gpu.f32"): 0.0}
+    )
+    found = diagnose(records, pairs)
+    assert any(
+        f.rule == "float-precision" and "bit-identical on all 8 prompts: no gap" in f.text
+        for f in found
+    )
+    few = {("cpu.none", "gpu.none"): [2.0, 1.5, 1.8], ("cpu.f32", "gpu.f32"): [0.02, 0.01, 0.03]}
+    found = diagnose(*matrix(CPU_CUDA, ["none", "f32"], few))
+    assert "activation-quantization" not in rules(found)
+    assert any("fewer than 5 prompts to decide the rules by" in f.text for f in found)
 
 
 def test_setting_names_the_one_that_differs() -> None:
@@ -224,6 +255,10 @@ def test_device_blame_is_decided_over_prompts_not_by_one_prompts_maximum() -> No
         ("cpu-fa.none", "gpu.none"): [2.2] * 8,
         ("cpu.none", "cpu-fa.none"): [2.0] + [0.1] * 7,
     }
+    assert "device-blame" not in rules(diagnose(*matrix(devices, ["none"], gaps)))
+    # bit-identical on 3 of 8 prompts and as large as the change of device on the other 5:
+    # the prompts where it did not move at all count against it
+    gaps[("cpu.none", "cpu-fa.none")] = [0.0] * 3 + [2.0] * 5
     assert "device-blame" not in rules(diagnose(*matrix(devices, ["none"], gaps)))
 
 

@@ -223,7 +223,8 @@ def test_a_wrong_engine_fails(
 @pytest.mark.parametrize("target", ["q8_0", "q4_1", "q5_0", "q4_k_m", "q6_k"])
 def test_dequantization_matches_llama_cpp_bit_for_bit(tmp_path: Path, target: str) -> None:
     """The engine's dequantization (ggml's to_float) against the f32 copy
-    llama_model_quantize writes and against gguf-py's numpy dequantizers, for every weight
+    llama_model_quantize writes (the same to_float: the loader's reading of the file) and
+    against gguf-py's numpy dequantizers (an implementation of its own), for every weight
     type of the shipped models (K-quants need rows of 256)."""
     import gguf
 
@@ -253,6 +254,8 @@ def test_dequantizing_refuses_data_that_does_not_hold_the_values() -> None:
     for wrong in (64, 48):
         with pytest.raises(ValueError, match="do not hold"):
             dequantize.float32(rows, Q8_0, wrong)
+    with pytest.raises(ValueError, match="does not know tensor type 99"):
+        dequantize.float32(rows, 99, 32)  # past ggml's table: refused, not read
 
 
 def test_an_architecture_it_does_not_know_is_named(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 checkout's report code:
 
     python docs/results/seed-long/render.py <unpacked h200-results.tgz> \
-        <unpacked h200-generations.tgz> <folder>
+        <unpacked h200-generations.txz> <folder>
 
 The second run (config.yaml) brought back the text's records and statistics; the third
 (generations.yaml, the text off) every other stage's records, each model's pairs and its

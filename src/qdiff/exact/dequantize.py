@@ -17,6 +17,9 @@ from typing import Any
 import numpy as np
 
 F32 = 0  # ggml_type GGML_TYPE_F32: no conversion
+GGML_TYPE_COUNT = (
+    43  # ggml.h's enum ggml_type at the vendored commit: the types it knows are below it
+)
 
 
 class _TypeTraits(ctypes.Structure):
@@ -45,17 +48,34 @@ def _ggml_base() -> ctypes.CDLL:
             "llama-cpp-python is not installed in this environment: run ./setup",
             name="llama_cpp",
         )
-    lib = ctypes.CDLL(str(Path(spec.submodule_search_locations[0]) / "lib" / "libggml-base.so"))
+    folder = Path(spec.submodule_search_locations[0]) / "lib"
+    # .so on Linux, .dylib on macOS (a Metal build)
+    path = next(
+        (p for p in (folder / "libggml-base.so", folder / "libggml-base.dylib") if p.exists()), None
+    )
+    if path is None:
+        raise FileNotFoundError(f"no libggml-base in {folder}: rebuild llama-cpp-python (./setup)")
+    lib = ctypes.CDLL(str(path))
     lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
     lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    lib.ggml_type_name.restype = ctypes.c_char_p
+    lib.ggml_type_name.argtypes = [ctypes.c_int]
     return lib
+
+
+def _traits(ggml_type: int) -> _TypeTraits:
+    # ggml indexes its table unchecked in release builds: a type it does not know is
+    # refused here (ggml_type_name answers "NONE" past the table's end)
+    if not 0 <= ggml_type < GGML_TYPE_COUNT or _ggml_base().ggml_type_name(ggml_type) == b"NONE":
+        raise ValueError(f"ggml does not know tensor type {ggml_type}")
+    return _ggml_base().ggml_get_type_traits(ggml_type).contents
 
 
 @functools.cache
 def _to_float(ggml_type: int) -> Any:
-    traits = _ggml_base().ggml_get_type_traits(ggml_type).contents
-    if not traits.to_float:
-        raise ValueError(f"ggml has no conversion to float for type {traits.type_name!r}")
+    traits = _traits(ggml_type)
+    if not traits.to_float or traits.blck_size <= 0:
+        raise ValueError(f"ggml has no conversion to float for type {traits.type_name.decode()}")
     return _TO_FLOAT(traits.to_float)
 
 
@@ -65,7 +85,7 @@ def float32(data: np.ndarray, ggml_type: int, row_length: int) -> np.ndarray:
     values (gguf-py's ``dequantize`` gives the same shape)."""
     if ggml_type == F32:
         return np.asarray(data, dtype=np.float32)
-    traits = _ggml_base().ggml_get_type_traits(ggml_type).contents
+    convert, traits = _to_float(ggml_type), _traits(ggml_type)
     raw = np.ascontiguousarray(data)
     out = np.empty((*raw.shape[:-1], row_length), dtype=np.float32)
     # ggml reads whole blocks: a mismatch would read past the data, so it is refused
@@ -73,5 +93,5 @@ def float32(data: np.ndarray, ggml_type: int, row_length: int) -> np.ndarray:
         raise ValueError(
             f"{raw.nbytes} bytes of {traits.type_name.decode()} do not hold {out.size} values"
         )
-    _to_float(ggml_type)(raw.ctypes.data, out.ctypes.data, out.size)
+    convert(raw.ctypes.data, out.ctypes.data, out.size)
     return out

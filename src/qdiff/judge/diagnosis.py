@@ -140,37 +140,62 @@ class Matrix:
 
 def _paired(near: dict[str, float], far: dict[str, float]) -> dict[str, Any] | None:
     """How many times ``far`` is ``near``, paired by prompt over the prompts both have with
-    finite values (``paired_ratio``). A prompt where either is 0 (bit-identical) has no
-    ratio: it is left out and counted (``zeros``); where ``near`` is 0 on every prompt and
-    ``far`` is not, the ratio is infinite. None with fewer than MIN_PROMPTS prompts to pair,
-    where an interval would be one prompt's verdict."""
+    finite values: ``paired_ratio`` over those where both differ. A prompt bit-identical on
+    both sides says nothing and is left out (``zeros``); one where only ``near`` is 0 has an
+    unbounded ratio, so the interval's upper end is infinite (``near_zero``), and one where
+    only ``far`` is 0 a ratio of 0, so its lower end is 0 (``far_zero``). With fewer than
+    MIN_PROMPTS prompts where both differ, the ratio is infinite only when ``near`` is 0 and
+    ``far`` is not on at least MIN_PROMPTS prompts and never the other way round; else None:
+    an interval would be one prompt's verdict."""
     common = [p for p in near if p in far and math.isfinite(near[p]) and math.isfinite(far[p])]
-    if len(common) < MIN_PROMPTS:
-        return None
     both = [p for p in common if near[p] > 0 and far[p] > 0]
-    extra = {"zeros": len(common) - len(both), "worst_near": max(near[p] for p in common)}
-    extra["worst_far"] = max(far[p] for p in common)
+    extra = {
+        "zeros": sum(near[p] == 0 == far[p] for p in common),
+        "near_zero": sum(near[p] == 0 < far[p] for p in common),
+        "far_zero": sum(far[p] == 0 < near[p] for p in common),
+        "worst_near": max((near[p] for p in common), default=0.0),
+        "worst_far": max((far[p] for p in common), default=0.0),
+    }
     if len(both) < MIN_PROMPTS:
-        if extra["worst_near"] == 0 < extra["worst_far"]:
+        if extra["near_zero"] >= MIN_PROMPTS and not extra["far_zero"]:
             infinite = {"ratio": math.inf, "low": math.inf, "high": math.inf}
-            return {**infinite, "n": 0, "farther_on": 0, "verdict": "farther", **extra}
+            return {
+                **infinite,
+                "n": 0,
+                "farther_on": extra["near_zero"],
+                "verdict": "farther",
+                **extra,
+            }
         return None
-    return {**paired_ratio([near[p] for p in both], [far[p] for p in both]), **extra}
+    r = {**paired_ratio([near[p] for p in both], [far[p] for p in both]), **extra}
+    if extra["near_zero"]:
+        r["high"] = math.inf
+    if extra["far_zero"]:
+        r["low"] = 0.0
+    return r
 
 
-def _how(r: dict[str, Any], of: str = "first-step max |Δ|") -> str:
-    """How a paired ratio of ``_paired`` was decided, for a finding's text."""
+def _how(r: dict[str, Any], near: str, far: str) -> str:
+    """How a ratio of ``_paired`` was decided, for a finding's text; ``near`` and ``far`` name
+    the two differences (the denominator and the numerator)."""
     if r["n"] == 0:
         return (
-            f"bit-identical on every prompt on one side, up to {_fmt(r['worst_far'])} on the other"
+            f"{near} bit-identical on {r['near_zero']} prompts where {far} differ, by up to "
+            f"{_fmt(r['worst_far'])}"
         )
-    zeros = (
-        f"; {plural(r['zeros'], 'prompt')} bit-identical on a side left out" if r["zeros"] else ""
-    )
+    notes = [
+        f"{plural(r[key], 'prompt')} where {what}"
+        for key, what in (
+            ("zeros", "both sides are bit-identical, left out"),
+            ("near_zero", f"{near} alone are bit-identical (an unbounded ratio)"),
+            ("far_zero", f"{far} alone are bit-identical (a ratio of 0)"),
+        )
+        if r[key]
+    ]
     return (
-        f"geometric mean over {r['n']} prompts of the per-prompt ratio of {of}, {LEVEL:.0%} "
-        f"bootstrap interval {r['low']:.3g}–{r['high']:.3g}; worst prompts "
-        f"{_fmt(r['worst_far'])} vs {_fmt(r['worst_near'])}{zeros}"
+        f"geometric mean over {r['n']} prompts of the per-prompt ratio of first-step max |Δ|, "
+        f"{LEVEL:.0%} bootstrap interval {r['low']:.3g}–{r['high']:.3g}; worst prompts "
+        f"{_fmt(r['worst_far'])} vs {_fmt(r['worst_near'])}" + "".join(f"; {n}" for n in notes)
     )
 
 
@@ -188,7 +213,9 @@ def _activation_quantization(m: Matrix, d1: str, d2: str) -> Finding | None:
     what = f"same backend, {'; '.join(m.settings_only(d1, d2) or [])}: " if same else ""
     head = (
         f"`{d1}` vs `{d2}` ({what}the quantized file differs {ratio} more than its f32 copies: "
-        f"{_how(r)}). The weights are the same, so the excess comes from "
+        f"{_how(r, 'the f32 copies', 'the runs of the file')}). The weights are the same, so the "
+        "excess "
+        "comes from "
     )
     numbers = {"quantized": r["worst_far"], "f32": r["worst_near"], **_ratio_numbers(r)}
     rounds, keeps = _who_rounds(m, (d1, d2))
@@ -255,33 +282,44 @@ def _float_precision(m: Matrix, d1: str, d2: str) -> Finding | None:
     f = m.by_prompt((d1, "f32"), (d2, "f32"))
     if not f:
         return None
+    if not any(f.values()):
+        return Finding(
+            "float-precision",
+            f"`{d1}` vs `{d2}`: their f32 copies are bit-identical on all {len(f)} prompts: no "
+            "gap to explain.",
+            {"f32": 0.0},
+        )
     halves = [x for d in (d1, d2) if (x := m.by_prompt((d, "f32"), (d, "f16")))]
     # per prompt, the larger of the two devices' fp16 roundings of the weights
     h = {p: max(x[p] for x in halves if p in x) for p in f if any(p in x for x in halves)}
     r = _paired(h, f) if h else None
-    gap = f"{_fmt(float(np.median(list(f.values()))))} (median over prompts, worst {_fmt(max(f.values()))})"
+    gap = _median_text(f, max(f.values()))
     if r is None:
+        why = (
+            "with no f16 copy to compare against"
+            if not h
+            else f"with fewer than {MIN_PROMPTS} prompts to compare it with one fp16 rounding by"
+        )
         return Finding(
             "unexplained",
-            f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}; with no f16 copy to compare "
-            "against on enough prompts, this gap is unexplained.",
+            f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}; {why}, this gap is unexplained.",
             {"f32": max(f.values())},
         )
     numbers = {"f32": r["worst_far"], "fp16_rounding": r["worst_near"], **_ratio_numbers(r)}
-    versus = f"{r['ratio']:.3g}× one fp16 rounding of the weights on one device (f32 vs f16 copy): {_how(r)}"
+    versus = _how(r, "the f32 and f16 copies", "the f32 copies of the two devices")
     if r["low"] > 1:
         return Finding(
             "unexplained",
-            f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}, more than one fp16 rounding "
-            f"of the weights ({versus}): unexplained by float precision.",
+            f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}, {r['ratio']:.3g}× one fp16 "
+            f"rounding of the weights ({versus}): unexplained by float precision.",
             numbers,
         )
     size = "no more than" if r["high"] <= 1 else "about as large as"
     return Finding(
         "float-precision",
         f"`{d1}` vs `{d2}`: their f32 copies differ by {gap}, {size} one fp16 rounding of "
-        f"the weights on one device ({versus}). Float summation order and TF32/fp16 "
-        "arithmetic explain a gap of this size.",
+        f"the weights on one device ({r['ratio']:.3g}×: {versus}). Float summation order and "
+        "TF32/fp16 arithmetic explain a gap of this size.",
         numbers,
     )
 
@@ -331,7 +369,7 @@ def _device_blame(m: Matrix, d1: str, d2: str) -> Finding | None:
         single = len(m.settings_only(a, b) or []) == 1  # one named cause, not a mix
         if single and m.backend[a] in (m.backend[d1], m.backend[d2]):
             r = _paired(cross, m.by_prompt((a, "none"), (b, "none")))
-            if r is not None and (best is None or r["ratio"] > best[0]["ratio"]):
+            if r is not None and (best is None or r["low"] > best[0]["low"]):
                 best = (r, a, b)
     if best is None or not best[0]["low"] >= COMPARABLE:
         return None
@@ -340,7 +378,8 @@ def _device_blame(m: Matrix, d1: str, d2: str) -> Finding | None:
         "device-blame",
         f"`{d1}` vs `{d2}` on the quantized file: first-step max |Δ| "
         f"{_median_text(cross, max(cross.values()))}. A same-backend change (`{a}` vs `{b}`: "
-        f"{'; '.join(m.settings_only(a, b) or [])}) moves it {r['ratio']:.0%} as much ({_how(r)}), "
+        f"{'; '.join(m.settings_only(a, b) or [])}) moves it {r['ratio']:.0%} as much "
+        f"({_how(r, 'the two devices', 'the same-backend pair')}), "
         "so the change of device is not the only cause of forks.",
         {"cross_device": r["worst_near"], "same_device": r["worst_far"], **_ratio_numbers(r)},
     )
@@ -745,12 +784,17 @@ def diagnose(
         cross = m.max_abs((d1, "none"), (d2, "none"))
         if cross and not explained & {f.rule for f in found}:
             by_prompt = m.by_prompt((d1, "none"), (d2, "none"))
+            hint = (
+                f"fewer than {MIN_PROMPTS} prompts to decide the rules by"
+                if m.pair((d1, "f32"), (d2, "f32")) is not None and len(by_prompt) < MIN_PROMPTS
+                else "run an f32 copy on both devices to separate the causes"
+            )
             found.append(
                 Finding(
                     "unexplained",
                     f"`{d1}` vs `{d2}`: the quantized file differs by "
                     f"{_median_text(by_prompt, cross)} (first-step max |Δ|); no rule explains "
-                    "it (run an f32 copy on both devices to separate the causes).",
+                    f"it ({hint}).",
                     {"quantized": cross},
                 )
             )
