@@ -356,13 +356,12 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre")
 
 
 def file_facts(source: dict[str, Any], gguf_path: Path) -> tuple[str, dict[str, Any] | None]:
-    """What the fetched file's metadata says, read in one pass (the reader parses every
-    field, the vocabulary included: seconds for a large one): its licence
+    """What the fetched file's metadata says, read in one pass: its licence
     (``declared_licence``) and its tokenizer (``tokenizer``, None if unreadable)."""
-    import gguf  # only here: reading a file's metadata
+    from qdiff.core.gguffile import GGUFFile  # only here: it loads NumPy
 
     try:
-        fields = gguf.GGUFReader(gguf_path).fields
+        fields = GGUFFile(gguf_path).fields
     except Exception as exc:  # a damaged file fails where it is used, with llama.cpp's words
         return declared_licence(source, None, type(exc).__name__), None
     return declared_licence(source, fields), tokenizer(fields)
@@ -375,10 +374,10 @@ def tokenizer(fields: dict[str, Any]) -> dict[str, Any] | None:
         return None
     tokens = fields["tokenizer.ggml.tokens"]
     digest = hashlib.sha256()
-    for i in tokens.data:
-        digest.update(bytes(tokens.parts[i]) + b"\0")
-    said = {k.rsplit(".", 1)[1]: str(fields[k].contents()) for k in TOKENIZER_KEYS if k in fields}
-    return {**said, "n_tokens": len(tokens.data), "sha256": digest.hexdigest()}
+    for token in tokens:  # the file's bytes: gguffile decodes with surrogateescape
+        digest.update(token.encode("utf-8", "surrogateescape") + b"\0")
+    said = {k.rsplit(".", 1)[1]: str(fields[k]) for k in TOKENIZER_KEYS if k in fields}
+    return {**said, "n_tokens": len(tokens), "sha256": digest.hexdigest()}
 
 
 def declared_licence(
@@ -391,7 +390,7 @@ def declared_licence(
     if fields is None:
         said.append(f"the file's metadata is unreadable ({unreadable})")
     else:
-        in_file = [str(fields[k].contents()) for k in LICENCE_KEYS if k in fields]
+        in_file = [str(fields[k]) for k in LICENCE_KEYS if k in fields]
         if in_file:
             said.append(f"{', '.join(in_file)} (the file's general.license)")
     if source["kind"] == "package":

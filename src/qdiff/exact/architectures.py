@@ -12,8 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 
 class UnsupportedArchitectureError(ValueError):
     pass
@@ -125,21 +123,18 @@ class Hparams:
         return self.rope_base, self.rope_scale
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _field(fields: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A metadata value (qdiff.core.gguffile); an array of one value is that value."""
+    value = fields.get(key)
+    if value is None:
         if default is None:
             raise UnsupportedArchitectureError(f"the file has no {key}")
         return default
-    values = [field.parts[i] for i in field.data]
-    if len(values) == 1:
-        value = values[0]
-        return value.tobytes().decode() if value.dtype == np.uint8 else value.item()
-    return [v.item() for v in values]
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
-def architecture_of(reader: Any) -> Architecture:
-    name = _field(reader, "general.architecture")
+def architecture_of(fields: dict[str, Any]) -> Architecture:
+    name = _field(fields, "general.architecture")
     if name not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"qdiff's exact engine supports {', '.join(ARCHITECTURES)}, not {name!r}"
@@ -147,15 +142,18 @@ def architecture_of(reader: Any) -> Architecture:
     return ARCHITECTURES[name]
 
 
-def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) -> Hparams:
-    """The hyperparameters as llama.cpp reads them, with llama.cpp's defaults. ``n_ctx``:
+def read_hparams(
+    fields: dict[str, Any], tensor_names: set[str], n_ctx: int | None = None
+) -> Hparams:
+    """The hyperparameters as llama.cpp reads them from a file's metadata (``fields``:
+    qdiff.core.gguffile), with llama.cpp's defaults. ``n_ctx``:
     the context a run gives each sequence, which picks LongRoPE's long or short factors."""
-    arch = architecture_of(reader)
+    arch = architecture_of(fields)
     read = {f"{arch.name}.{k}" for k in (*NO_EFFECT_KEYS, *arch.ignored_keys)}
 
     def key(k: str, default: Any = None) -> Any:
         read.add(f"{arch.name}.{k}")
-        return _field(reader, f"{arch.name}.{k}", default)
+        return _field(fields, f"{arch.name}.{k}", default)
 
     n_embd, n_head, n_layer = (
         key("embedding_length"),
@@ -174,12 +172,12 @@ def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) 
     rope_base = key("rope.freq_base", 10000.0)
     large = n_layer == arch.large_scale_layers
     softcap = key("attn_logit_softcapping", ATTN_SOFTCAP_DEFAULT) if arch.attn_softcap else 0.0
-    vocab = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = fields.get("tokenizer.ggml.tokens")
     if key("attention.value_length", head_dim) != head_dim:
         raise UnsupportedArchitectureError("V heads of another size than K's are not supported")
     hp = Hparams(
         arch=arch,
-        n_vocab=key("vocab_size", len(vocab.data) if vocab else 0),
+        n_vocab=key("vocab_size", len(vocab) if vocab else 0),
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=n_head,
@@ -201,7 +199,7 @@ def read_hparams(reader: Any, tensor_names: set[str], n_ctx: int | None = None) 
         if arch.final_softcap is None
         else key("final_logit_softcapping", arch.final_softcap),
     )
-    mine = (k for k in reader.fields if k.startswith(f"{arch.name}."))
+    mine = (k for k in fields if k.startswith(f"{arch.name}."))
     return dataclasses.replace(hp, unread_keys=tuple(sorted(set(mine) - read)))
 
 

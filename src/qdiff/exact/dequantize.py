@@ -80,13 +80,13 @@ def _to_float(ggml_type: int) -> Any:
 
 
 def float32(data: np.ndarray, ggml_type: int, row_length: int) -> np.ndarray:
-    """The values of a tensor's raw ``data`` (gguf-py's view of the file: rows of blocks'
-    bytes) of ``ggml_type``, as float32 in numpy's row-major shape, rows of ``row_length``
-    values (gguf-py's ``dequantize`` gives the same shape)."""
-    if ggml_type == F32:
-        return np.asarray(data, dtype=np.float32)
-    convert, traits = _to_float(ggml_type), _traits(ggml_type)
+    """The values of a tensor's raw ``data`` (its bytes, shaped (..., the bytes of a row))
+    of ``ggml_type``, as float32 in numpy's row-major shape, rows of ``row_length`` values
+    (gguf-py's ``dequantize`` gives the same shape)."""
     raw = np.ascontiguousarray(data)
+    if ggml_type == F32:
+        return raw.view(np.float32).reshape(*raw.shape[:-1], row_length)
+    convert, traits = _to_float(ggml_type), _traits(ggml_type)
     out = np.empty((*raw.shape[:-1], row_length), dtype=np.float32)
     # ggml reads whole blocks: a mismatch would read past the data, so it is refused
     if out.size % traits.blck_size or raw.nbytes != out.size // traits.blck_size * traits.type_size:

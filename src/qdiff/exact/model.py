@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import Roundings
 from qdiff.exact import dequantize
 from qdiff.exact.architectures import read_hparams
@@ -34,10 +35,8 @@ class Weights:
     """The file's tensors, dequantized on first use to float64 and kept."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
-        self.reader = gguf.GGUFReader(path)
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.file = GGUFFile(path)
+        self._tensors = {t.name: t for t in self.file.tensors}
         self._cache: dict[str, np.ndarray] = {}
         self.read: set[str] = set()  # the tensors a forward pass used
 
@@ -52,10 +51,15 @@ class Weights:
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def _rows(self, name: str) -> np.ndarray:
+        """A tensor's bytes in numpy's row-major shape: (..., the bytes of one row)."""
+        t = self._tensors[name]
+        return self.file.data(t).reshape(*reversed(t.shape[1:]), -1)
+
     def float32(self, name: str) -> np.ndarray:
         """A tensor as llama.cpp dequantizes it (float32), numpy's row-major shape."""
         t = self._tensors[name]
-        return dequantize.float32(t.data, int(t.tensor_type), int(t.shape[0]))
+        return dequantize.float32(self._rows(name), t.ggml_type, t.shape[0])
 
     def __getitem__(self, name: str) -> np.ndarray:
         self.read.add(name)
@@ -71,17 +75,17 @@ class Weights:
     def block_minimums(self, name: str) -> np.ndarray:
         """A Q4_1 or Q5_1 tensor's minimum per block of 32 (the fp16 ``m`` that follows each
         block's scale), (rows, blocks) in float64."""
-        t = self._tensors[name]
-        rows = np.asarray(t.data).reshape(int(t.shape[1]), -1, BLOCK_BYTES[self.type_of(name)])
-        return rows[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        rows = self._rows(name)
+        blocks = rows.reshape(len(rows), -1, BLOCK_BYTES[self.type_of(name)])
+        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
 
     def type_of(self, name: str) -> str:
-        return str(self._tensors[name].tensor_type.name.lower())
+        return self._tensors[name].type_name
 
     def types(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for t in self._tensors.values():
-            counts[t.tensor_type.name.lower()] = counts.get(t.tensor_type.name.lower(), 0) + 1
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
         return counts
 
 
@@ -100,6 +104,29 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
     exact answer: for measuring how much of a CPU run's distance from exact it explains."""
     table = gelu_tanh(np.asarray(x, dtype=np.float16).astype(np.float64)).astype(np.float16)
     return np.where(x <= -10.0, 0.0, np.where(x >= 10.0, x, table.astype(np.float64)))
+
+
+BATCH_TOKENS = 512  # rows a batch of sequences holds (one longer sequence goes alone)
+
+
+def _batches(lengths: list[int]) -> list[list[int]]:
+    """The sequences' indices in order, in consecutive batches of at most BATCH_TOKENS rows
+    (a longer sequence alone)."""
+    batches: list[list[int]] = []
+    rows = BATCH_TOKENS
+    for i, n in enumerate(lengths):
+        if rows + n > BATCH_TOKENS:
+            batches.append([])
+            rows = 0
+        batches[-1].append(i)
+        rows += n
+    return batches
+
+
+def _spans(lengths: list[int]) -> list[slice]:
+    """The rows of each sequence of a batch."""
+    ends = np.cumsum(lengths)
+    return [slice(int(e - n), int(e)) for e, n in zip(ends, lengths, strict=True)]
 
 
 ATTENTION_BLOCK = 128  # query rows per block: the keys every row of a block masks are skipped
@@ -188,7 +215,7 @@ class ExactModel:
         (``hidden`` takes every sequence through a layer before the next)."""
         self.layer_by_layer = layer_by_layer
         self.weights = Weights(path)
-        self.hp = read_hparams(self.weights.reader, set(self.weights.names()), n_ctx)
+        self.hp = read_hparams(self.weights.file.fields, set(self.weights.names()), n_ctx)
         # LongRoPE's other set of factors is left out by choice, as llama.cpp leaves it
         self.weights.read |= {"rope_factors_long.weight", "rope_factors_short.weight"}
         self.roundings = roundings
@@ -250,9 +277,12 @@ class ExactModel:
         factors = self.weights[hp.rope_factors] if hp.rope_factors else None
         return Rope(hp.n_rot, base, scale, hp.arch.neox_rope, factors, hp.rope_attn_factor)
 
-    def _attention(self, x: np.ndarray, layer: int, positions: np.ndarray) -> np.ndarray:
+    def _attention(self, x: np.ndarray, layer: int, lengths: list[int]) -> np.ndarray:
+        """Self-attention of a batch of sequences (``x``: their rows one after another, of
+        ``lengths``), each from position 0 and seeing only itself."""
         hp, w, p = self.hp, self.weights, f"blk.{layer}."
         n, d = len(x), hp.head_dim
+        positions = np.concatenate([np.arange(m, dtype=np.float64) for m in lengths])
         q, k, v = self._qkv(x, layer)
         if hp.arch.qk_norm:
             q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
@@ -265,21 +295,26 @@ class ExactModel:
         r = self._roundings
         if r.kv_f16:
             k, v = self.rounded(k, f16), self.rounded(v, f16)
-        # (n, n) booleans from the positions' broadcast: no (n, n) array of distances
-        masked = positions[None, :] > positions[:, None]
-        if hp.swa_layers[layer]:
-            masked |= positions[None, :] <= positions[:, None] - hp.n_swa
         heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)  # each query head's K/V
         k, v = k[:, heads], v[:, heads]
         scores = Scores(scale, hp.attn_softcap)
         p_rounding = (lambda probs: self.rounded(probs, f16)) if r.qp_f16 else None
         q_used = self.rounded(q, f16) if r.qp_f16 else q
-        out = _softmax_attention(q_used, k, v, masked, scores, p_rounding)
-        if r.flash_cpu:
-            one_by_one = flash_rows_one_by_one(n, r.n_ubatch)
-            if one_by_one.any():
-                q_in = self.rounded(q, np.asarray)  # jittered, then rounded to f16 inside
-                out[one_by_one] = flash_one_row(q_in, k, v, masked, scores)[one_by_one]
+        out = np.empty_like(q)
+        for rows in _spans(lengths):
+            at = positions[rows]
+            # (m, m) booleans from the positions' broadcast: no (m, m) array of distances
+            masked = at[None, :] > at[:, None]
+            if hp.swa_layers[layer]:
+                masked |= at[None, :] <= at[:, None] - hp.n_swa
+            qs, ks, vs = q_used[rows], k[rows], v[rows]
+            out[rows] = _softmax_attention(qs, ks, vs, masked, scores, p_rounding)
+            if r.flash_cpu:
+                one_by_one = flash_rows_one_by_one(len(at), r.n_ubatch)
+                if one_by_one.any():
+                    q_in = self.rounded(q[rows], np.asarray)  # jittered, rounded to f16 inside
+                    flash = flash_one_row(q_in, ks, vs, masked, scores)
+                    out[rows][one_by_one] = flash[one_by_one]
         return self.linear(out.reshape(n, hp.n_head * d), p + "attn_output.weight")
 
     def _feed_forward(self, x: np.ndarray, layer: int) -> np.ndarray:
@@ -298,28 +333,31 @@ class ExactModel:
 
     def hidden(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """Each sequence's last layer's output (before the output norm), every sequence
-        through one layer before the next, each from an empty context."""
+        through one layer before the next, each from an empty context. Sequences go through
+        a layer in batches of about BATCH_TOKENS rows: one read of a weight serves them all."""
         hp, w = self.hp, self.weights
         xs = [w["token_embd.weight"][np.asarray(tokens)] for tokens in sequences]
         if hp.arch.embed_scale:
             xs = [x * math.sqrt(hp.n_embd) for x in xs]
+        batches = _batches([len(x) for x in xs])
         for layer in range(hp.n_layer):
-            xs = [self._layer(x, layer) for x in xs]
+            xs = [y for batch in batches for y in self._layer([xs[i] for i in batch], layer)]
             if self.layer_by_layer:
                 w.release(f"blk.{layer}.")
         return xs
 
-    def _layer(self, x: np.ndarray, layer: int) -> np.ndarray:
+    def _layer(self, xs: list[np.ndarray], layer: int) -> list[np.ndarray]:
         hp, w, p = self.hp, self.weights, f"blk.{layer}."
-        positions = np.arange(len(x), dtype=np.float64)
-        attn = self._attention(rms_norm(x, w[p + "attn_norm.weight"], hp.eps), layer, positions)
+        lengths = [len(x) for x in xs]
+        x = np.concatenate(xs)
+        attn = self._attention(rms_norm(x, w[p + "attn_norm.weight"], hp.eps), layer, lengths)
         if hp.arch.post_norms:
             attn = rms_norm(attn, w[p + "post_attention_norm.weight"], hp.eps)
         x = x + attn
         ffn = self._feed_forward(rms_norm(x, w[p + "ffn_norm.weight"], hp.eps), layer)
         if hp.arch.post_norms:
             ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], hp.eps)
-        return x + ffn
+        return np.split(x + ffn, np.cumsum(lengths)[:-1])
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The full vocabulary's logits of last-layer outputs ``x`` (rows of ``hidden``)."""

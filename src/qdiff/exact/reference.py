@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 
 from qdiff.core.backends import CPU_VEC_DOT_TYPE
+from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
 from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError, read_hparams
-from qdiff.exact.model import ATTENTION_BLOCK, ExactModel
+from qdiff.exact.model import ATTENTION_BLOCK, BATCH_TOKENS, ExactModel
 
 
 def reference(
@@ -94,7 +95,7 @@ def emulate(
     for name, values in configs.items():
         exact.roundings = Roundings.from_dict(values)
         hidden = exact.hidden([p["prompt_tokens"] for p in prompts])
-        arrays[name] = np.array([exact.logits(h[-1:])[0] for h in hidden])
+        arrays[name] = exact.logits(np.array([h[-1] for h in hidden]))
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
     record = {
         "prompt_ids": [p["id"] for p in prompts],
@@ -137,9 +138,9 @@ def hparams_record(hp: Hparams) -> dict[str, Any]:
 
 
 BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
-READER_BYTES_PER_ENTRY = 1200  # gguf-py's reader holds each entry of a metadata array
-#   (token, score, type, merge) as arrays of its own: 912-1132 bytes of resident memory
-#   measured on Gemma 3's 786,468 entries, Qwen2.5's 455,285 and SmolLM2's 147,237
+METADATA_BYTES_PER_ENTRY = 64  # the parsed metadata (qdiff.core.gguffile) per value of an
+#   array (a vocabulary's token, score, type, merge): 57-58 bytes of resident memory
+#   measured on Gemma 3's 786,465 values and SmolLM2's 147,234
 DEQUANTIZING = 5  # bytes per value above the float64 kept, while a tensor is dequantized:
 #   the float32 values ggml writes (qdiff.exact.dequantize) and the file's pages read; its
 #   peak was 13.1-13.7 bytes per value above the process's memory before it (Q8_0, Q6_K)
@@ -165,29 +166,26 @@ def memory_needed(model: Path, work: Workload, layer_by_layer: bool = False) -> 
 def memory_estimates(model: Path, work: Workload) -> tuple[int, int]:
     """Bytes ``reference`` or ``emulate`` needs for ``model`` and ``work`` with every weight
     kept in float64, and with one layer's at a time (those outside the layers and the
-    largest layer's), from one reading of the file before anything is loaded (gguf-py's
-    reader took 18 s on Gemma 3's file on the 2-core AMD EPYC). Beside the weights: what
-    dequantizing the largest one read after the embeddings takes beside its float64 copy,
-    the file's pages the reader maps, its parsed metadata, the logits, one layer's
+    largest layer's), from the file's metadata before anything is loaded. Beside the
+    weights: what dequantizing the largest one read after the embeddings takes beside its
+    float64 copy, the file's pages mapped, its parsed metadata, the logits, one layer's
     activations for the longest sequence (its mask; three arrays of scores per head for a
     block of queries; Q, K and V and their copies per head; the feed-forward's products;
     the residual stream) and every sequence's hidden state, and a base.
     tests/test_gemma.py checks it against the peak resident memory of the default
     experiment's models: never below, and within 1.5x; tests/test_exact.py against a long
     sequence's."""
-    import gguf
-
-    reader = gguf.GGUFReader(model)
-    sizes = {t.name: int(t.n_elements) for t in reader.tensors}
-    entries = sum(len(f.data) for f in reader.fields.values())
-    vocab = reader.fields.get("tokenizer.ggml.tokens")
-    logits = 8 * (len(vocab.data) if vocab is not None else 0) * work.logit_rows
+    file = GGUFFile(model)
+    sizes = {t.name: t.n_elements for t in file.tensors}
+    entries = sum(len(v) if isinstance(v, list) else 1 for v in file.fields.values())
+    vocab = file.fields.get("tokenizer.ggml.tokens")
+    logits = 8 * len(vocab or ()) * work.logit_rows
     # the embeddings are dequantized first, while nothing else is held; later, the output
     # (last, when it is not the embeddings) or a layer's largest weight on top of the rest
     later = [v for k, v in sizes.items() if k.startswith("blk.") or k == "output.weight"]
     fixed = DEQUANTIZING * max(later, default=0) + logits + BASE_MEMORY
-    fixed += READER_BYTES_PER_ENTRY * entries + model.stat().st_size
-    fixed += _activations(reader, sizes, work) + work.kept_bytes
+    fixed += METADATA_BYTES_PER_ENTRY * entries + model.stat().st_size
+    fixed += _activations(file.fields, sizes, work) + work.kept_bytes
     layers: dict[str, int] = {}
     for name, size in sizes.items():
         if name.startswith("blk."):
@@ -198,11 +196,12 @@ def memory_estimates(model: Path, work: Workload) -> tuple[int, int]:
     return kept, 8 * (outside + max(layers.values(), default=0)) + fixed
 
 
-def _activations(reader: Any, sizes: dict[str, int], work: Workload) -> int:
-    """Bytes of one layer's float64 activations for the longest sequence, and every
-    sequence's hidden state (0 for an architecture the engine does not have)."""
+def _activations(fields: dict[str, Any], sizes: dict[str, int], work: Workload) -> int:
+    """Bytes of one layer's float64 activations for a batch of sequences (ExactModel.hidden;
+    the longest's attention), and every sequence's hidden state (0 for an architecture the
+    engine does not have)."""
     try:
-        hp = read_hparams(reader, set(sizes))
+        hp = read_hparams(fields, set(sizes))
     except UnsupportedArchitectureError:
         return 0
     n, heads = work.longest, hp.n_head
@@ -211,7 +210,8 @@ def _activations(reader: Any, sizes: dict[str, int], work: Workload) -> int:
     # per token: Q, K, V, K and V per query head, the turned Q and K, the heads' output; the
     # feed-forward's three products; the residual stream, its norm and two sums
     per_token = 8 * (6 * heads * hp.head_dim + 3 * n_ff + 4 * hp.n_embd)
-    per_layer = n * (scores + n + per_token)  # n: the mask, a byte per query and key
+    rows = max(n, min(work.tokens, BATCH_TOKENS))  # a batch's
+    per_layer = n * (scores + n) + rows * per_token  # n: the mask, a byte per query and key
     return per_layer + 8 * 2 * work.tokens * hp.n_embd
 
 

@@ -38,9 +38,10 @@ class ExactInputs:
         """The rows of full-vocabulary logits the child holds at its peak, and the
         sequences it takes through the layers."""
         prompts = self.run["prompts"]
-        if self.configs is not None:  # the prompts alone; the first step per prompt and set
+        if self.configs is not None:  # the prompts alone; the first step per prompt and set,
+            # and a set's being computed (its product and its soft-capped copy)
             lengths = [len(p["prompt_tokens"]) for p in prompts]
-            rows = len(self.configs) * len(prompts) + 1
+            rows = (len(self.configs) + 2) * len(prompts)
         else:  # the prompts and their forced text; two rows per prompt and one text's
             lengths = [len(p["prompt_tokens"]) + len(p["tokens"]) for p in prompts]
             rows = 2 * len(prompts) + max(lengths, default=0)

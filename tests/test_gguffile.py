@@ -1,0 +1,72 @@
+"""qdiff's GGUF reader against gguf-py's on real files: every metadata value, every tensor's
+place and bytes; and a damaged file refused with a GGUFFormatError."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from qdiff.core.gguffile import GGUFFile, GGUFFormatError
+from tinymodel import write_tiny_gemma3, write_tiny_llama
+
+
+@pytest.fixture(params=["llama", "gemma3"])
+def tiny(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    path = tmp_path / f"{request.param}.gguf"
+    return write_tiny_llama(path) if request.param == "llama" else write_tiny_gemma3(path)
+
+
+def test_reads_what_gguf_py_reads(tiny: Path) -> None:
+    ours, theirs = GGUFFile(tiny), gguf.GGUFReader(tiny)
+    expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.fields) == list(expected)
+    for key, value in expected.items():
+        if isinstance(value, float):  # gguf-py widens float32 values too
+            assert np.float32(ours.fields[key]) == np.float32(value), key
+        else:
+            assert ours.fields[key] == value, key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, t in zip(ours.tensors, theirs.tensors, strict=True):
+        assert mine.shape == tuple(int(n) for n in t.shape)
+        assert (mine.ggml_type, mine.type_name) == (int(t.tensor_type), t.tensor_type.name.lower())
+        assert (mine.offset, mine.n_bytes, mine.n_elements) == (
+            t.data_offset,
+            t.n_bytes,
+            int(t.n_elements),
+        )
+        assert ours.data(mine).tobytes() == np.asarray(t.data).tobytes()
+
+
+def test_token_bytes_survive_decoding(tmp_path: Path) -> None:
+    """A token that is not UTF-8 (byte-level vocabularies hold such) is kept byte for byte:
+    a tokenizer's digest (qdiff.sources.tokenizer) hashes the file's bytes."""
+    path = tmp_path / "raw.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("tokenizer.ggml.tokens", [b"\xff\xfe", "é"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tokens = GGUFFile(path).fields["tokenizer.ggml.tokens"]
+    assert [t.encode("utf-8", "surrogateescape") for t in tokens] == [b"\xff\xfe", "é".encode()]
+
+
+def test_damaged_files_are_refused(tiny: Path, tmp_path: Path) -> None:
+    data = tiny.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])  # the tensors' bytes run past the end
+    with pytest.raises(GGUFFormatError, match="runs past the end"):
+        GGUFFile(cut)
+    header = tmp_path / "header.gguf"
+    header.write_bytes(data[:100])  # the metadata itself is cut
+    with pytest.raises(GGUFFormatError, match="not a whole GGUF file"):
+        GGUFFile(header)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(GGUFFormatError, match="empty"):
+        GGUFFile(empty)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGML" + data[4:])
+    with pytest.raises(GGUFFormatError, match="does not start with 'GGUF'"):
+        GGUFFile(other)
