@@ -221,7 +221,9 @@ def test_a_wrong_engine_fails(
 
 
 @pytest.mark.parametrize("target", ["q8_0", "q4_1", "q5_0", "q4_k_m", "q6_k"])
-def test_dequantization_matches_llama_cpp_bit_for_bit(tmp_path: Path, target: str) -> None:
+def test_dequantization_matches_llama_cpp_bit_for_bit(
+    tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The engine's dequantization (ggml's to_float) against the f32 copy
     llama_model_quantize writes (the same to_float: the loader's reading of the file) and
     against gguf-py's numpy dequantizers (an implementation of its own), for every weight
@@ -241,6 +243,9 @@ def test_dequantization_matches_llama_cpp_bit_for_bit(tmp_path: Path, target: st
         assert a.shape == b.shape and a.tobytes() == b.tobytes(), name
         numpy_version = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         assert a.shape == numpy_version.shape and a.tobytes() == numpy_version.tobytes(), name
+        # the float64 copy the engine keeps, converted a few rows at a time
+        monkeypatch.setattr("qdiff.exact.model.DEQUANTIZE_VALUES", 3 * a.shape[-1] + 1)
+        assert np.array_equal(ours.float64(name), a.astype(np.float64)), name
 
 
 def test_dequantizing_refuses_data_that_does_not_hold_the_values() -> None:
@@ -310,6 +315,35 @@ def test_layer_by_layer_is_the_same_arithmetic_in_less_memory(
     assert not any(name.startswith("blk.") for name in by_layer.weights._cache)
     work = Workload(logit_rows=1, longest=5, tokens=8)
     assert memory_needed(path, work, layer_by_layer=True) < memory_needed(path, work)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_sequences_batched_through_a_layer_are_computed_as_each_alone(
+    tiny: Callable[[str], Path], name: str
+) -> None:
+    """Sequences share a layer's products but never attend across each other: each comes
+    out as it does alone (to float64 rounding: the products' shapes differ), with and
+    without flash attention's one-row path, which the emulation writes into its rows."""
+    model = exact.ExactModel(tiny(name))
+    sequences = [[1, 5, 9, 20, 33], [1, 7, 7], [2, 4, 6, 8, 10, 12, 14]]
+    flash = Roundings(kv_f16=True, flash_cpu=True, n_ubatch=2)
+    results = {}
+    for roundings in (Roundings(), flash):
+        model.roundings = roundings
+        together = model.hidden(sequences)
+        for seq, batched in zip(sequences, together, strict=True):
+            assert np.allclose(batched, model.hidden([seq])[0], rtol=1e-11, atol=1e-12)
+        results[roundings] = together
+    assert not np.allclose(results[Roundings()][1], results[flash][1], rtol=1e-6)
+
+
+def test_batches_keep_the_order_and_hold_at_most_batch_tokens() -> None:
+    from qdiff.exact.model import BATCH_TOKENS, _batches
+
+    assert BATCH_TOKENS == 512
+    assert _batches([300, 300, 100, 600, 5]) == [[0], [1, 2], [3], [4]]
+    assert _batches([10] * 60) == [list(range(51)), list(range(51, 60))]
+    assert _batches([]) == []
 
 
 def test_the_reference_holds_one_layer_at_a_time_and_the_emulations_keep_what_fits(

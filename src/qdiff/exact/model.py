@@ -29,6 +29,7 @@ from qdiff.exact.roundings import (
 
 EXACT = Roundings()  # no rounding source: the exact answer
 BLOCK_BYTES = {"q4_1": 20, "q5_1": 24}  # ggml-common.h: d, m (fp16 each), then the values
+DEQUANTIZE_VALUES = 2**22  # values dequantized at once (16 MiB of float32)
 
 
 class Weights:
@@ -61,10 +62,24 @@ class Weights:
         t = self._tensors[name]
         return dequantize.float32(self._rows(name), t.ggml_type, t.shape[0])
 
+    def float64(self, name: str) -> np.ndarray:
+        """``float32``'s values in float64, converted DEQUANTIZE_VALUES at a time: a large
+        tensor (Gemma 3's 168M-value embeddings) never has a whole float32 copy beside its
+        float64 one."""
+        t = self._tensors[name]
+        rows = self._rows(name)
+        flat = rows.reshape(-1, rows.shape[-1])
+        out = np.empty((len(flat), t.shape[0]), dtype=np.float64)
+        step = max(1, DEQUANTIZE_VALUES // t.shape[0])
+        for start in range(0, len(flat), step):
+            chunk = flat[start : start + step]
+            out[start : start + step] = dequantize.float32(chunk, t.ggml_type, t.shape[0])
+        return out.reshape(*rows.shape[:-1], t.shape[0])
+
     def __getitem__(self, name: str) -> np.ndarray:
         self.read.add(name)
         if name not in self._cache:
-            self._cache[name] = self.float32(name).astype(np.float64)
+            self._cache[name] = self.float64(name)
         return self._cache[name]
 
     def release(self, prefix: str) -> None:

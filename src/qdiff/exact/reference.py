@@ -14,7 +14,7 @@ from qdiff.core.backends import CPU_VEC_DOT_TYPE
 from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
 from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError, read_hparams
-from qdiff.exact.model import ATTENTION_BLOCK, BATCH_TOKENS, ExactModel
+from qdiff.exact.model import ATTENTION_BLOCK, BATCH_TOKENS, DEQUANTIZE_VALUES, ExactModel
 
 
 def reference(
@@ -141,9 +141,9 @@ BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
 METADATA_BYTES_PER_ENTRY = 64  # the parsed metadata (qdiff.core.gguffile) per value of an
 #   array (a vocabulary's token, score, type, merge): 57-58 bytes of resident memory
 #   measured on Gemma 3's 786,465 values and SmolLM2's 147,234
-DEQUANTIZING = 5  # bytes per value above the float64 kept, while a tensor is dequantized:
-#   the float32 values ggml writes (qdiff.exact.dequantize) and the file's pages read; its
-#   peak was 13.1-13.7 bytes per value above the process's memory before it (Q8_0, Q6_K)
+DEQUANTIZING = 4 * DEQUANTIZE_VALUES  # bytes beside the float64 kept while a tensor is
+#   dequantized: one chunk's float32 values (Weights.float64; the file's pages are counted
+#   whole)
 
 
 @dataclass(frozen=True)
@@ -167,11 +167,11 @@ def memory_estimates(model: Path, work: Workload) -> tuple[int, int]:
     """Bytes ``reference`` or ``emulate`` needs for ``model`` and ``work`` with every weight
     kept in float64, and with one layer's at a time (those outside the layers and the
     largest layer's), from the file's metadata before anything is loaded. Beside the
-    weights: what dequantizing the largest one read after the embeddings takes beside its
-    float64 copy, the file's pages mapped, its parsed metadata, the logits, one layer's
-    activations for the longest sequence (its mask; three arrays of scores per head for a
-    block of queries; Q, K and V and their copies per head; the feed-forward's products;
-    the residual stream) and every sequence's hidden state, and a base.
+    weights: a chunk being dequantized, the file's pages mapped, its parsed metadata, the
+    logits, one layer's activations for a batch (the longest sequence's mask; three arrays
+    of scores per head for a block of queries; Q, K and V and their copies per head; the
+    feed-forward's products; the residual stream) and every sequence's hidden state, and a
+    base. The embeddings, dequantized first, take less: they are among the weights counted.
     tests/test_gemma.py checks it against the peak resident memory of the default
     experiment's models: never below, and within 1.5x; tests/test_exact.py against a long
     sequence's."""
@@ -180,10 +180,7 @@ def memory_estimates(model: Path, work: Workload) -> tuple[int, int]:
     entries = sum(len(v) if isinstance(v, list) else 1 for v in file.fields.values())
     vocab = file.fields.get("tokenizer.ggml.tokens")
     logits = 8 * len(vocab or ()) * work.logit_rows
-    # the embeddings are dequantized first, while nothing else is held; later, the output
-    # (last, when it is not the embeddings) or a layer's largest weight on top of the rest
-    later = [v for k, v in sizes.items() if k.startswith("blk.") or k == "output.weight"]
-    fixed = DEQUANTIZING * max(later, default=0) + logits + BASE_MEMORY
+    fixed = DEQUANTIZING + logits + BASE_MEMORY
     fixed += METADATA_BYTES_PER_ENTRY * entries + model.stat().st_size
     fixed += _activations(file.fields, sizes, work) + work.kept_bytes
     layers: dict[str, int] = {}
