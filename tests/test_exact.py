@@ -318,15 +318,19 @@ def test_layer_by_layer_is_the_same_arithmetic_in_less_memory(
 
 
 @pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("batch_tokens", [512, 8])
 def test_sequences_batched_through_a_layer_are_computed_as_each_alone(
-    tiny: Callable[[str], Path], name: str
+    tiny: Callable[[str], Path], name: str, batch_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Sequences share a layer's products but never attend across each other: each comes
-    out as it does alone (to float64 rounding: the products' shapes differ), with and
-    without flash attention's one-row path, which the emulation writes into its rows."""
+    out as it does alone (to float64 rounding: the products' shapes differ), in order, all
+    in one batch or across several, with and without flash attention's one-row path (the
+    70-token sequence's last ubatch of 6 rows takes it, its first 64 rows do not)."""
+    monkeypatch.setattr("qdiff.exact.model.BATCH_TOKENS", batch_tokens)
     model = exact.ExactModel(tiny(name))
-    sequences = [[1, 5, 9, 20, 33], [1, 7, 7], [2, 4, 6, 8, 10, 12, 14]]
-    flash = Roundings(kv_f16=True, flash_cpu=True, n_ubatch=2)
+    long = [(7 * i) % 200 + 1 for i in range(70)]
+    sequences = [[1, 5, 9, 20, 33], [1, 7, 7], long, [2, 4, 6, 8, 10, 12, 14]]
+    flash = Roundings(kv_f16=True, flash_cpu=True, n_ubatch=64)
     results = {}
     for roundings in (Roundings(), flash):
         model.roundings = roundings
@@ -334,7 +338,8 @@ def test_sequences_batched_through_a_layer_are_computed_as_each_alone(
         for seq, batched in zip(sequences, together, strict=True):
             assert np.allclose(batched, model.hidden([seq])[0], rtol=1e-11, atol=1e-12)
         results[roundings] = together
-    assert not np.allclose(results[Roundings()][1], results[flash][1], rtol=1e-6)
+    for i in (1, 2):
+        assert not np.allclose(results[Roundings()][i], results[flash][i], rtol=1e-6)
 
 
 def test_batches_keep_the_order_and_hold_at_most_batch_tokens() -> None:
@@ -344,6 +349,7 @@ def test_batches_keep_the_order_and_hold_at_most_batch_tokens() -> None:
     assert _batches([300, 300, 100, 600, 5]) == [[0], [1, 2], [3], [4]]
     assert _batches([10] * 60) == [list(range(51)), list(range(51, 60))]
     assert _batches([]) == []
+    assert _batches([0, 3]) == [[0, 1]]
 
 
 def test_the_reference_holds_one_layer_at_a_time_and_the_emulations_keep_what_fits(

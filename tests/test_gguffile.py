@@ -1,6 +1,7 @@
 """qdiff's GGUF reader against gguf-py's on real files: every metadata value, every tensor's
 place and bytes; and a damaged file refused with a GGUFFormatError."""
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -70,3 +71,34 @@ def test_damaged_files_are_refused(tiny: Path, tmp_path: Path) -> None:
     other.write_bytes(b"GGML" + data[4:])
     with pytest.raises(GGUFFormatError, match="does not start with 'GGUF'"):
         GGUFFile(other)
+
+
+def _write(path: Path, fill: Callable[[gguf.GGUFWriter], None]) -> Path:
+    """A GGUF file of metadata alone, written by gguf-py."""
+    writer = gguf.GGUFWriter(path, "llama")
+    fill(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_arrays_of_arrays_are_read(tmp_path: Path) -> None:
+    """gguf.md allows an array's elements to be arrays; gguf-py reads them, and so does this."""
+    path = _write(tmp_path / "nested.gguf", lambda w: w.add_array("x.nested", [[1, 2], [3]]))
+    assert GGUFFile(path).fields["x.nested"] == [[1, 2], [3]]
+
+
+def test_a_file_cut_inside_a_numeric_array_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path / "scores.gguf", lambda w: w.add_array("x.scores", [0.5] * 1000))
+    path.write_bytes(path.read_bytes()[:-100])  # the array's last 25 values are gone
+    with pytest.raises(GGUFFormatError, match="an array runs past the end"):
+        GGUFFile(path)
+
+
+@pytest.mark.parametrize("alignment", [0, 24])
+def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path: Path, alignment: int) -> None:
+    path = _write(tmp_path / "aligned.gguf", lambda w: w.add_uint32("general.alignment", alignment))
+    with pytest.raises(GGUFFormatError, match=f"general.alignment {alignment} is not a power"):
+        GGUFFile(path)

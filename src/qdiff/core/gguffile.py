@@ -8,6 +8,7 @@ and maps the tensors' bytes. The format: ggml's docs/gguf.md (little-endian, ver
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import numpy as np
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # GGML_MAX_DIMS
 # value types (gguf.md's gguf_metadata_value_type): struct formats of the scalar ones
 SCALARS = {
     0: "B",
@@ -51,7 +53,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def type_name(self) -> str:
@@ -72,7 +74,9 @@ class GGUFFile:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self.fields, self.tensors = _parse(self._map, Path(path).name)
-        except (struct.error, IndexError, UnicodeDecodeError) as exc:
+        except GGUFFormatError:
+            raise
+        except (struct.error, IndexError, ValueError, OverflowError) as exc:
             raise GGUFFormatError(f"{Path(path).name} is not a whole GGUF file ({exc})") from exc
 
     def data(self, tensor: TensorInfo) -> np.ndarray:
@@ -103,12 +107,15 @@ class _Cursor:
             return self.string()
         if kind == ARRAY:
             item, count = self.unpack("I"), self.unpack("Q")
-            if item == STRING:
-                return [self.string() for _ in range(count)]
+            if item in (STRING, ARRAY):  # each element reads (and bounds) its own length
+                return [self.value(item) for _ in range(count)]
             if item not in NUMPY:
                 raise IndexError(f"an array of value type {item}")
+            end = self.at + count * np.dtype(NUMPY[item]).itemsize
+            if end > len(self.buffer):
+                raise IndexError("an array runs past the end of the file")
             values = np.frombuffer(self.buffer, dtype=NUMPY[item], count=count, offset=self.at)
-            self.at += values.nbytes
+            self.at = end
             return values.tolist()
         if kind not in SCALARS:
             raise IndexError(f"value type {kind}")
@@ -116,10 +123,17 @@ class _Cursor:
 
 
 def _parse(buffer: Any, name: str) -> tuple[dict[str, Any], list[TensorInfo]]:
-    import gguf  # the constants only: each type's block size and bytes
+    at, n_tensors, fields = _fields(buffer, name)
+    table = _table(at, n_tensors, name)
+    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFFormatError(f"{name}: general.alignment {alignment!r} is not a power of two")
+    start = -(-at.at // alignment) * alignment  # the tensors' data, aligned
+    return fields, [_placed(entry, start, len(buffer), name) for entry in table]
 
-    known_types = {int(t) for t in gguf.GGML_QUANT_SIZES}
 
+def _fields(buffer: Any, name: str) -> tuple[_Cursor, int, dict[str, Any]]:
+    """The header and the metadata: a cursor after them, the number of tensors, the keys."""
     if bytes(buffer[:4]) != MAGIC:
         raise GGUFFormatError(f"{name} is not a GGUF file (it does not start with 'GGUF')")
     at = _Cursor(buffer)
@@ -128,24 +142,46 @@ def _parse(buffer: Any, name: str) -> tuple[dict[str, Any], list[TensorInfo]]:
     if version not in (2, 3):
         raise GGUFFormatError(f"{name} is GGUF version {version}; qdiff reads versions 2 and 3")
     n_tensors, n_fields = at.unpack("Q"), at.unpack("Q")
-    fields = {}
+    fields: dict[str, Any] = {}
     for _ in range(n_fields):
         key = at.string()
+        if key in fields:
+            raise GGUFFormatError(f"{name} holds the key {key} twice")
         fields[key] = at.value(at.unpack("I"))
+    return at, n_tensors, fields
+
+
+_Entry = tuple[str, tuple[int, ...], int, int]  # name, shape, ggml type, offset in the data
+
+
+def _table(at: _Cursor, n_tensors: int, name: str) -> list[_Entry]:
     table = []
     for _ in range(n_tensors):
         tensor_name = at.string()
-        shape = tuple(at.unpack("Q") for _ in range(at.unpack("I")))
+        n_dims = at.unpack("I")
+        if n_dims > MAX_DIMS:
+            raise GGUFFormatError(f"{name}: tensor {tensor_name} has {n_dims} dimensions")
+        shape = tuple(at.unpack("Q") for _ in range(n_dims))
         table.append((tensor_name, shape, at.unpack("I"), at.unpack("Q")))
-    alignment = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
-    start = -(-at.at // alignment) * alignment
-    tensors = []
-    for tensor_name, shape, ggml_type, offset in table:
-        if ggml_type not in known_types:
-            raise GGUFFormatError(f"{name}: tensor {tensor_name} has unknown type {ggml_type}")
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
-        n_bytes = int(np.prod(shape, dtype=np.int64)) // block * size
-        if start + offset + n_bytes > len(buffer):
-            raise GGUFFormatError(f"{name}: tensor {tensor_name} runs past the end of the file")
-        tensors.append(TensorInfo(tensor_name, shape, ggml_type, start + offset, n_bytes))
-    return fields, tensors
+    if len({entry[0] for entry in table}) < len(table):
+        raise GGUFFormatError(f"{name} names a tensor twice")
+    return table
+
+
+def _placed(entry: _Entry, start: int, file_size: int, name: str) -> TensorInfo:
+    """A tensor's place and size in the file, checked against its type and the file's end."""
+    import gguf  # the constants only: each type's block size and bytes
+
+    tensor_name, shape, ggml_type, offset = entry
+    if ggml_type not in {int(t) for t in gguf.GGML_QUANT_SIZES}:
+        raise GGUFFormatError(f"{name}: tensor {tensor_name} has unknown type {ggml_type}")
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    if shape and shape[0] % block:
+        raise GGUFFormatError(
+            f"{name}: tensor {tensor_name}'s rows of {shape[0]} values are not whole "
+            f"blocks of {block}"
+        )
+    n_bytes = math.prod(shape) // block * size
+    if start + offset + n_bytes > file_size:
+        raise GGUFFormatError(f"{name}: tensor {tensor_name} runs past the end of the file")
+    return TensorInfo(tensor_name, shape, ggml_type, start + offset, n_bytes)

@@ -128,9 +128,9 @@ def _batches(lengths: list[int]) -> list[list[int]]:
     """The sequences' indices in order, in consecutive batches of at most BATCH_TOKENS rows
     (a longer sequence alone)."""
     batches: list[list[int]] = []
-    rows = BATCH_TOKENS
+    rows = 0
     for i, n in enumerate(lengths):
-        if rows + n > BATCH_TOKENS:
+        if not batches or rows + n > BATCH_TOKENS:
             batches.append([])
             rows = 0
         batches[-1].append(i)

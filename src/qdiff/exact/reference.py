@@ -94,8 +94,9 @@ def emulate(
     arrays = {}
     for name, values in configs.items():
         exact.roundings = Roundings.from_dict(values)
-        hidden = exact.hidden([p["prompt_tokens"] for p in prompts])
-        arrays[name] = exact.logits(np.array([h[-1] for h in hidden]))
+        # one expression: the last set's hidden states are gone before the next's
+        last_rows = [h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])]
+        arrays[name] = exact.logits(np.array(last_rows))
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
     record = {
         "prompt_ids": [p["id"] for p in prompts],
@@ -137,7 +138,8 @@ def hparams_record(hp: Hparams) -> dict[str, Any]:
     }
 
 
-BASE_MEMORY = 256 * 2**20  # the interpreter and numpy, before any weight
+BASE_MEMORY = 160 * 2**20  # the interpreter, numpy and OpenBLAS before any weight: 38-43
+#   MiB measured on the 2-core AMD EPYC; about four times that for other machines
 METADATA_BYTES_PER_ENTRY = 64  # the parsed metadata (qdiff.core.gguffile) per value of an
 #   array (a vocabulary's token, score, type, merge): 57-58 bytes of resident memory
 #   measured on Gemma 3's 786,465 values and SmolLM2's 147,234
@@ -205,8 +207,9 @@ def _activations(fields: dict[str, Any], sizes: dict[str, int], work: Workload) 
     n_ff = sizes.get("blk.0.ffn_down.weight", 0) // hp.n_embd
     scores = 8 * 3 * heads * min(n, ATTENTION_BLOCK)  # a block of queries' scores over n keys
     # per token: Q, K, V, K and V per query head, the turned Q and K, the heads' output; the
-    # feed-forward's three products; the residual stream, its norm and two sums
-    per_token = 8 * (6 * heads * hp.head_dim + 3 * n_ff + 4 * hp.n_embd)
+    # feed-forward's gate, up, activation and product, and a rounded copy of one (emulating
+    # the activations' rounding); the residual stream, its norm and two sums
+    per_token = 8 * (6 * heads * hp.head_dim + 5 * n_ff + 4 * hp.n_embd)
     rows = max(n, min(work.tokens, BATCH_TOKENS))  # a batch's
     per_layer = n * (scores + n) + rows * per_token  # n: the mask, a byte per query and key
     return per_layer + 8 * 2 * work.tokens * hp.n_embd
