@@ -1,5 +1,5 @@
-"""qdiff's GGUF reader against gguf-py's on real files: every metadata value, every tensor's
-place and bytes; and a damaged file refused with a GGUFFormatError."""
+"""qdiff's GGUF reader against gguf-py's on tiny generated files: every metadata value,
+every tensor's place and bytes; and a damaged file refused with a GGUFFormatError."""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -42,13 +42,8 @@ def test_reads_what_gguf_py_reads(tiny: Path) -> None:
 def test_token_bytes_survive_decoding(tmp_path: Path) -> None:
     """A token that is not UTF-8 (byte-level vocabularies hold such) is kept byte for byte:
     a tokenizer's digest (qdiff.sources.tokenizer) hashes the file's bytes."""
-    path = tmp_path / "raw.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_array("tokenizer.ggml.tokens", [b"\xff\xfe", "é"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    raw = [b"\xff\xfe", "é"]
+    path = _write(tmp_path / "raw.gguf", lambda w: w.add_array("tokenizer.ggml.tokens", raw))
     tokens = GGUFFile(path).fields["tokenizer.ggml.tokens"]
     assert [t.encode("utf-8", "surrogateescape") for t in tokens] == [b"\xff\xfe", "é".encode()]
 
@@ -102,3 +97,39 @@ def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path: Path, alig
     path = _write(tmp_path / "aligned.gguf", lambda w: w.add_uint32("general.alignment", alignment))
     with pytest.raises(GGUFFormatError, match=f"general.alignment {alignment} is not a power"):
         GGUFFile(path)
+
+
+def _patched(tmp_path: Path, old: bytes, new: bytes, at: int = 0) -> Path:
+    """A file of two keys and two tensors (8 float32 values each), written by gguf-py, with
+    the bytes ``old`` (their first occurrence) replaced by ``new`` at ``at`` bytes after it."""
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_uint32("x.aa", 1)
+        writer.add_uint32("x.bb", 2)
+        writer.add_tensor("ta", np.zeros(8, dtype=np.float32))
+        writer.add_tensor("tb", np.zeros(8, dtype=np.float32))
+
+    path = _write(tmp_path / "two.gguf", fill)
+    data = bytearray(path.read_bytes())
+    where = data.index(old) + at
+    data[where : where + len(new)] = new
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_key_or_a_tensor_named_twice_is_refused(tmp_path: Path) -> None:
+    assert GGUFFile(_patched(tmp_path, b"x.bb", b"x.bb")).fields["x.bb"] == 2  # unpatched
+    with pytest.raises(GGUFFormatError, match=r"holds the key x\.aa twice"):
+        GGUFFile(_patched(tmp_path, b"x.bb", b"x.aa"))
+    with pytest.raises(GGUFFormatError, match="names a tensor twice"):
+        GGUFFile(_patched(tmp_path, b"tb", b"ta"))
+
+
+def test_a_tensor_table_that_cannot_be_is_refused(tmp_path: Path) -> None:
+    """The tensor table after a name: n_dims (u32), the dims (u64 each), the type (u32)."""
+    n_dims = len("ta")
+    with pytest.raises(GGUFFormatError, match="tensor ta has 5 dimensions"):
+        GGUFFile(_patched(tmp_path, b"ta", (5).to_bytes(4, "little"), at=n_dims))
+    q8_0 = (8).to_bytes(4, "little")  # 8 values are not a whole block of 32
+    with pytest.raises(GGUFFormatError, match="rows of 8 values are not whole blocks of 32"):
+        GGUFFile(_patched(tmp_path, b"ta", q8_0, at=n_dims + 4 + 8))

@@ -1,8 +1,8 @@
 """A GGUF file's metadata and tensor table, read in one pass without gguf-py's reader.
 
 gguf-py's ``GGUFReader`` makes a numpy view of every entry of every metadata array: 12 s
-and about 1 GB for Gemma 3's 262,144-token vocabulary on the 2-core AMD EPYC, read twice per
-float64 job. This reads the same values as plain Python ones (0.3 s; docs/performance.md)
+and about 690 MiB for Gemma 3's 262,144-token vocabulary on the 2-core AMD EPYC, read twice
+per float64 job. This reads the same values as plain Python ones (0.3 s; docs/performance.md)
 and maps the tensors' bytes. The format: ggml's docs/gguf.md (little-endian, version 2 or 3).
 """
 

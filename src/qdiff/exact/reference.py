@@ -94,9 +94,11 @@ def emulate(
     arrays = {}
     for name, values in configs.items():
         exact.roundings = Roundings.from_dict(values)
-        # one expression: the last set's hidden states are gone before the next's
-        last_rows = [h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])]
-        arrays[name] = exact.logits(np.array(last_rows))
+        # in one expression (np.array copies the last rows): nothing of a set's hidden
+        # states outlives it into the next set's
+        arrays[name] = exact.logits(
+            np.array([h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])])
+        )
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
     record = {
         "prompt_ids": [p["id"] for p in prompts],
@@ -138,8 +140,9 @@ def hparams_record(hp: Hparams) -> dict[str, Any]:
     }
 
 
-BASE_MEMORY = 160 * 2**20  # the interpreter, numpy and OpenBLAS before any weight: 38-43
-#   MiB measured on the 2-core AMD EPYC; about four times that for other machines
+BASE_MEMORY = 160 * 2**20  # the interpreter, numpy and OpenBLAS before any weight: about 37
+#   MiB measured on the 2-core AMD EPYC (docs/results/bench-epyc/base-memory.log), allowing
+#   about four times that for other machines' libraries
 METADATA_BYTES_PER_ENTRY = 64  # the parsed metadata (qdiff.core.gguffile) per value of an
 #   array (a vocabulary's token, score, type, merge): 57-58 bytes of resident memory
 #   measured on Gemma 3's 786,465 values and SmolLM2's 147,234
