@@ -28,7 +28,9 @@ from qdiff.exact.roundings import (
 )
 
 EXACT = Roundings()  # no rounding source: the exact answer
-BLOCK_BYTES = {"q4_1": 20, "q5_1": 24}  # ggml-common.h: d, m (fp16 each), then the values
+# bytes per block of the types whose block fields the roundings read (ggml-common.h): an
+# fp16 d first; q4_1 and q5_1 then an fp16 m; q4_K and q5_K an fp16 dmin and 12 bytes of scales
+BLOCK_BYTES = {"q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24, "q4_k": 144, "q5_k": 176}
 DEQUANTIZE_VALUES = 2**22  # values dequantized at once (16 MiB of float32)
 
 
@@ -87,12 +89,20 @@ class Weights:
         for name in [n for n in self._cache if n.startswith(prefix)]:
             del self._cache[name]
 
-    def block_minimums(self, name: str) -> np.ndarray:
-        """A Q4_1 or Q5_1 tensor's minimum per block of 32 (the fp16 ``m`` that follows each
-        block's scale), (rows, blocks) in float64."""
+    def blocks(self, name: str) -> np.ndarray:
+        """A tensor of a BLOCK_BYTES type as its blocks' bytes, (rows, blocks, bytes)."""
         rows = self._rows(name)
-        blocks = rows.reshape(len(rows), -1, BLOCK_BYTES[self.type_of(name)])
-        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        return rows.reshape(len(rows), -1, BLOCK_BYTES[self.type_of(name).lower()])
+
+    def block_half(self, name: str, at: int) -> np.ndarray:
+        """The fp16 field at byte ``at`` of each block (0: d; 2: q4_1's and q5_1's
+        minimum m, the K-quants' dmin), (rows, blocks) in float64."""
+        blocks = self.blocks(name)
+        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float64)
+
+    def block_minimums(self, name: str) -> np.ndarray:
+        """A Q4_1 or Q5_1 tensor's minimum per block of 32, (rows, blocks)."""
+        return self.block_half(name, 2)
 
     def type_of(self, name: str) -> str:
         return self._tensors[name].type_name

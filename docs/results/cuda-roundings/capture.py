@@ -1,0 +1,104 @@
+"""Captures layer 0 of tiny real GGUFs on llama.cpp's CUDA backend, for the float64 engine's
+CUDA rounding sources (issue 31) to be checked op by op against (``check.py``, here).
+
+Run on the lent H200 by ``device.sh`` beside this file, from the repository's root:
+    python3 docs/results/cuda-roundings/capture.py OUT_FOLDER
+For every weight format of TARGETS (a random tiny llama, quantized by llama.cpp) and every
+prompt length of LENGTHS (1 token takes MMVQ or mmvf, 2-8 MMVQ, 9-16 mmf or MMQ, more MMQ
+or cuBLAS: docs/gpu-arithmetic.md), it keeps every tensor of layer 0 at the prompt's last
+token (qdiff's own capture: the eval callback) in ``<target>-<n>.npz`` and each file's
+sha256 in ``files.tsv``: the files are made again here from the same seed, and checked."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+TARGETS = ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k"]
+LENGTHS = [1, 5, 12, 40]
+SHAPE = {"n_embd": 256, "n_ff": 512}
+
+
+def make(folder: Path, target: str) -> Path:
+    """The tiny llama as ``target`` (its F32 source for f32), quantized in a child process
+    (as the workflow quantizes)."""
+    from tinymodel import write_tiny_llama
+
+    source = folder / "f32.gguf"
+    if not source.exists():
+        write_tiny_llama(source, **SHAPE)
+    if target == "f32":
+        return source
+    path = folder / f"{target}.gguf"
+    code = (
+        "import sys; from pathlib import Path; from qdiff.engine.quant import quantize; "
+        f"sys.exit(quantize(Path({str(source)!r}), Path({str(path)!r}), {target!r}, 1))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    return path
+
+
+def capture(
+    path: Path, lengths: list[int], backend: str, flash_attn: bool
+) -> dict[int, dict[str, np.ndarray]]:
+    """Layer 0's tensors at the last token of prompts of ``lengths`` tokens."""
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.engine.capture import TensorCapture
+    from qdiff.engine.devices import backend_devices, devices_for_backend
+    from qdiff.engine.log import init_backend
+    from qdiff.engine.model import LoadedModel
+    from qdiff.engine.worker import _capture_prompt
+
+    log = init_backend()  # kept while llama.cpp runs
+    settings = DeviceSettings(backend=backend, threads=1, flash_attn=flash_attn)
+    gpu = None
+    if settings.on_gpu:
+        usable = devices_for_backend(backend, backend_devices())
+        if not usable:
+            raise SystemExit(f"this build has no {backend} device")
+        gpu = usable[0].handle
+    out: dict[int, dict[str, np.ndarray]] = {}
+    with LoadedModel(path, settings, 256, gpu) as model:
+        text = "The quick brown fox jumps over the lazy dog. " * 8
+        tokens = model.tokenize(text, parse_special=False)
+        for n in lengths:
+            arrays: dict[str, np.ndarray] = {}
+            row = _capture_prompt(model, TensorCapture("-0$"), str(n), tokens[:n], "t", arrays)
+            first: dict[str, np.ndarray] = {}
+            for t in row["tensors"]:
+                if t["key"] in arrays:
+                    first.setdefault(t["name"], arrays[t["key"]])
+            first["tokens"] = np.asarray(tokens[:n])
+            out[n] = first
+    del log
+    return out
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    backend = sys.argv[2] if len(sys.argv) > 2 else "cuda"
+    out.mkdir(parents=True, exist_ok=True)
+    models = out / "models"
+    models.mkdir(exist_ok=True)
+    rows = []
+    for target in TARGETS:
+        path = make(models, target)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        rows.append(f"{target}\t{digest}")
+        for flash in (False, True):
+            name = target + ("-fa" if flash else "")
+            for n, tensors in capture(path, LENGTHS, backend, flash).items():
+                np.savez_compressed(out / f"{name}-{n}.npz", **tensors)
+                print(f"{name} n={n}: {len(tensors) - 1} tensors", flush=True)
+    (out / "files.tsv").write_text("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

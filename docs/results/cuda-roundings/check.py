@@ -1,0 +1,112 @@
+"""Holds the float64 engine's CUDA matmuls (qdiff.exact.cuda) against the tensors that
+capture.py captured on the H200: each matmul of layer 0, from llama.cpp's own captured
+input, computed four ways, against llama.cpp's captured output:
+  plain  x @ Wᵀ in float64 (no rounding at all)
+  cpu    the CPU's activation rounding (qdiff.exact.roundings)
+  mmvq   CUDA's MMVQ (1-8 tokens on an H200)
+  mmq    CUDA's MMQ (9 tokens or more)
+  tf32t  f32 and f16 weights: both operands cut to TF32's 10 mantissa bits (truncated)
+  tf32r  the same, rounded to nearest (ties away, as cvt.rna.tf32.f32)
+  x16    the activations rounded to f16 (f16 weights' MMF and cuBLAS paths)
+and prints the largest difference relative to the output's largest value, per weight type
+and prompt length. An emulation that follows the kernel is at float32's level (about 1e-7);
+one that does not, at the rounding's own (1e-3 or more). Run here, from the repository's
+root, on the captures' folder:
+    .venv/bin/python docs/results/cuda-roundings/check.py CAPTURES
+The tiny models are made again from the same seed and checked against files.tsv."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "docs/results/cuda-roundings"), str(ROOT / "tests")]
+
+from capture import LENGTHS, TARGETS, make  # noqa: E402
+
+from qdiff.core.backends import CPU_VEC_DOT_TYPE  # noqa: E402
+from qdiff.exact import cuda  # noqa: E402
+from qdiff.exact.model import ExactModel  # noqa: E402
+from qdiff.exact.roundings import q8_1_sum_error, round_activations  # noqa: E402
+
+# matmuls of layer 0: (its input, its output, the weight)
+MATMULS = [
+    ("attn_norm-0", "Qcur-0", "blk.0.attn_q.weight"),
+    ("attn_norm-0", "Kcur-0", "blk.0.attn_k.weight"),
+    ("attn_norm-0", "Vcur-0", "blk.0.attn_v.weight"),
+    ("kqv_out-0", "attn_out-0", "blk.0.attn_output.weight"),
+    ("ffn_norm-0", "ffn_gate-0", "blk.0.ffn_gate.weight"),
+    ("ffn_norm-0", "ffn_up-0", "blk.0.ffn_up.weight"),
+    ("ffn_swiglu-0", "ffn_out-0", "blk.0.ffn_down.weight"),
+]
+
+
+def tf32(x: np.ndarray, rounded: bool) -> np.ndarray:
+    """float32 values with the low 13 mantissa bits dropped, or rounded away (ties away)."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    if rounded:
+        bits = bits + 0x1000
+    return (bits & 0xFFFFE000).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def ways(model: ExactModel, x: np.ndarray, weight: str) -> dict[str, np.ndarray]:
+    w = model.weights
+    kind = w.type_of(weight).lower()
+    out = {"plain": x @ w[weight].T}
+    if kind in CPU_VEC_DOT_TYPE:
+        cpu = round_activations(x, kind) @ w[weight].T
+        if CPU_VEC_DOT_TYPE[kind] == "q8_1":
+            cpu += q8_1_sum_error(x) @ w.block_minimums(weight).T
+        out["cpu"] = cpu
+    if kind in ("f32", "f16"):
+        for name, rounded in (("tf32t", False), ("tf32r", True)):
+            out[name] = tf32(x, rounded) @ tf32(w[weight], rounded).T
+        out["x16"] = x.astype(np.float16).astype(np.float64) @ w[weight].T
+    if kind in cuda.EMULATED:
+        for kernel in ("mmvq", "mmq"):
+            out[kernel] = cuda.linear(x, w, weight, kernel)
+    return out
+
+
+def main() -> None:
+    captures = Path(sys.argv[1])
+    digests = dict(
+        line.split("\t") for line in (captures / "files.tsv").read_text().split("\n") if line
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for target in TARGETS:
+            path = make(Path(folder), target)
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            if digest != digests[target]:
+                raise SystemExit(f"{target}: the model made here is not the one captured")
+            model = ExactModel(path)
+            for flash in ("", "-fa"):
+                for n in LENGTHS:
+                    tensors = np.load(captures / f"{target}{flash}-{n}.npz")
+                    for given, made, weight in MATMULS:
+                        if given not in tensors or made not in tensors:
+                            continue
+                        x = tensors[given].astype(np.float64)[None]
+                        theirs = tensors[made].astype(np.float64)
+                        scale = np.abs(theirs).max()
+                        errs = {
+                            k: np.abs(v[0] - theirs).max() / scale
+                            for k, v in ways(model, x, weight).items()
+                        }
+                        kind = model.weights.type_of(weight)
+                        rows.append((target + flash, n, made, kind, errs))
+    names = ["plain", "cpu", "mmvq", "mmq", "tf32t", "tf32r", "x16"]
+    print(f"{'file':10} {'n':>3} {'output':12} {'type':5} " + " ".join(f"{k:>9}" for k in names))
+    for target, n, made, kind, errs in rows:
+        cells = " ".join(f"{errs[k]:9.2e}" if k in errs else f"{'':>9}" for k in names)
+        print(f"{target:10} {n:3d} {made:12} {kind:5} {cells}")
+
+
+if __name__ == "__main__":
+    main()

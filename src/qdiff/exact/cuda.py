@@ -1,0 +1,160 @@
+"""CUDA's matmuls with a quantized weight on an H200 (compute capability 9.0), in float64:
+what llama.cpp's kernels compute, up to the order and rounding of their float32 sums.
+
+Read in the source llama-cpp-python 0.3.36 vendors (ggml/src/ggml-cuda/; the lines are in
+docs/gpu-arithmetic.md). A matmul of 1-8 tokens runs MMVQ, of more MMQ (on this GPU never
+cuBLAS); both first quantize each token's activations to q8_1, per block of 32 values:
+- MMVQ (``quantize_q8_1``): d = amax/127, q = roundf(x/d) (half away from zero); the dot
+  products take the scale rounded to f16, and the block's float32 sum of the *unrounded*
+  values, rounded to f16, where the weight has an offset (q4_0, q5_0, q4_1, q5_1). For
+  q4_1 and q5_1 the products d_w·d_a and m_w·s_a are themselves rounded to f16 (``__hmul2``).
+- MMQ (``quantize_mmq_q8_1``): d_inv = 127/amax, q = roundf(x·d_inv), d = 1/d_inv, kept in
+  float32 for q5_0, q8_0 and q6_K (layout D4), in f16 with the f16 sum for q4_0 (its sum
+  unused), q4_1, q5_1, q4_K and q5_K (DS4). For q4_K and q5_K the weight's sub-block scale
+  d·sc and offset dmin·m are rounded to f16 (``load_tiles``: ``dm * half2(sc, m)``).
+The integer dot products are exact. The build's ``-use_fast_math`` makes the two divisions
+approximate (within 2 ulp): a value that far from a rounding tie may round the other way,
+which the floor of the error budget (``jittered``) covers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from qdiff.core.roundings import NotEmulatedError
+from qdiff.exact.model import BLOCK_BYTES
+
+if TYPE_CHECKING:
+    from qdiff.exact.model import Weights
+
+MMVQ_MAX_TOKENS = 8  # mmvq.cuh MMVQ_MAX_BATCH_SIZE: more tokens take MMQ
+QK = 32  # values per q8_1 block
+# weight types whose q8_1 scale MMQ keeps in float32 (mmq.cuh mmq_get_q8_1_ds_layout: D4)
+MMQ_FLOAT_SCALE = {"q5_0", "q8_0", "q6_k"}
+# where a kernel's dot products take the activations' block sum, not d·Σq
+USES_SUM = {
+    "mmvq": {"q4_0", "q5_0", "q4_1", "q5_1"},
+    "mmq": {"q4_1", "q5_1", "q4_k", "q5_k"},
+}
+EMULATED = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}
+
+
+def kernel_for(n_tokens: int) -> str:
+    """The kernel a quantized weight's matmul of ``n_tokens`` tokens runs on this GPU."""
+    return "mmvq" if n_tokens <= MMVQ_MAX_TOKENS else "mmq"
+
+
+def round_half_away(v: np.ndarray) -> np.ndarray:
+    """CUDA's ``roundf``: to the nearest integer, halves away from zero."""
+    return np.sign(v) * np.floor(np.abs(v) + 0.5)
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float16).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class Q8_1:
+    """A batch of rows quantized to q8_1 as one kernel keeps them: (tokens, blocks, 32)
+    integers ``q``, the scale the dot products take (tokens, blocks), and the f16 block
+    sum of the unrounded values (tokens, blocks)."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    sum: np.ndarray
+
+    @property
+    def values(self) -> np.ndarray:
+        """The activations as the integer dot products see them, (tokens, values)."""
+        v = self.q * self.scale[..., None]
+        return v.reshape(len(v), -1)
+
+
+def quantize_q8_1(x: np.ndarray, kernel: str, weight_type: str) -> Q8_1:
+    """``x`` (tokens, values) quantized as ``kernel`` does before a ``weight_type`` weight."""
+    if x.shape[-1] % QK:
+        raise NotEmulatedError(f"rows of {x.shape[-1]} values do not split into blocks of 32")
+    b = np.asarray(x, dtype=np.float32).reshape(len(x), -1, QK)
+    amax = np.abs(b).max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if kernel == "mmvq":
+            d = amax / np.float32(127)
+            q = np.where(amax[..., None] > 0, round_half_away(b / d[..., None]), 0)
+            scale = f16(d)
+        else:
+            d_inv = np.float32(127) / amax
+            q = np.where(amax[..., None] > 0, round_half_away(b * d_inv[..., None]), 0)
+            d = np.where(amax > 0, np.float32(1) / d_inv, np.float32(0))
+            scale = d.astype(np.float64) if weight_type in MMQ_FLOAT_SCALE else f16(d)
+    total = b.sum(axis=-1, dtype=np.float32)
+    return Q8_1(q.astype(np.float64), scale, f16(total))
+
+
+def _k_scales(weights: Weights, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A q4_K or q5_K tensor's sub-block scales d·sc and offsets dmin·m, each in float32 as
+    ggml computes them (``get_scale_min_k4``), (rows, sub-blocks of 32)."""
+    d, dmin = weights.block_half(name, 0), weights.block_half(name, 2)
+    s = weights.blocks(name)[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    rows = len(d)
+    scale = (d[..., None].astype(np.float32) * sc.astype(np.float32)).reshape(rows, -1)
+    offset = (dmin[..., None].astype(np.float32) * m.astype(np.float32)).reshape(rows, -1)
+    return scale.astype(np.float64), offset.astype(np.float64)
+
+
+def _affine(weights: Weights, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A weight as A·n + B per block of 32: the integers n (rows, blocks, 32), the scale A
+    and the offset B (rows, blocks), recovered from ggml's dequantized values."""
+    kind = weights.type_of(name).lower()
+    if kind in ("q4_k", "q5_k"):
+        scale, offset = _k_scales(weights, name)
+        offset = -offset
+    elif kind in ("q4_1", "q5_1"):
+        scale, offset = weights.block_half(name, 0), weights.block_minimums(name)
+    else:  # q4_0, q5_0: the integers are centred on 8, 16
+        scale = weights.block_half(name, 0)
+        offset = -scale * (8 if kind == "q4_0" else 16)
+    w = weights[name].reshape(len(scale), -1, QK)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        n = np.where(scale[..., None] != 0, np.rint((w - offset[..., None]) / scale[..., None]), 0)
+    return n, scale, offset
+
+
+def linear(x: np.ndarray, weights: Weights, name: str, kernel: str) -> np.ndarray:
+    """x @ Wᵀ as ``kernel`` (``mmvq`` or ``mmq``) computes it on an H200, for a weight of
+    one of the EMULATED types; x is (tokens, values)."""
+    kind = weights.type_of(name).lower()
+    if kind not in EMULATED:
+        raise NotEmulatedError(f"CUDA's kernels for {kind} weights")
+    a = quantize_q8_1(x, kernel, kind)
+    if kind not in BLOCK_BYTES:  # q8_0, q6_K: d·n exactly, no offset
+        return a.values @ weights[name].T
+    n, scale, offset = _affine(weights, name)
+    if kernel == "mmvq" and kind in ("q4_1", "q5_1"):
+        return _mmvq_rounded_products(a, n, scale, offset)
+    if kernel == "mmq" and kind in ("q4_k", "q5_k"):
+        scale, offset = f16(scale), f16(offset)
+    # the kernel's integer products scaled per block: A·n + B exactly, not ggml's float32
+    y = a.values @ (scale[..., None] * n + offset[..., None]).reshape(len(n), -1).T
+    if kind in USES_SUM[kernel]:
+        # the offset meets the f16 block sum, not the rounded values' sum
+        y += (a.sum - a.scale * a.q.sum(axis=-1)) @ offset.T
+    return y
+
+
+def _mmvq_rounded_products(
+    a: Q8_1, n: np.ndarray, scale: np.ndarray, offset: np.ndarray, rows_at_once: int = 256
+) -> np.ndarray:
+    """MMVQ's q4_1 and q5_1 dot product, Σ_blocks f16(d_w·d_a)·Σ n·q + f16(m_w·s_a)."""
+    y = np.empty((len(a.q), len(n)))
+    for start in range(0, len(n), rows_at_once):
+        part = slice(start, start + rows_at_once)
+        sums = np.einsum("tbj,rbj->trb", a.q, n[part])
+        d = f16(a.scale[:, None, :] * scale[part][None])
+        m = f16(a.sum[:, None, :] * offset[part][None])
+        y[:, part] = (d * sums + m).sum(axis=-1)
+    return y

@@ -1,0 +1,142 @@
+"""CUDA's quantized matmuls as float64 arithmetic (qdiff.exact.cuda), on this CPU machine.
+
+The kernels themselves run only on a GPU: docs/results/cuda-roundings/ holds them against
+tensors captured on the H200. Here: the weights read as the kernels read them, the
+engine's vectorised form against each kernel's per-block formula as the source writes it,
+and the cases where a CUDA kernel's arithmetic is the CPU's, against llama.cpp's own CPU
+tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import in_child, quantize_in_child
+from qdiff.exact import cuda
+from qdiff.exact.model import BLOCK_BYTES, ExactModel
+from test_roundings import LAYER0, captured_layer0
+from tinymodel import write_tiny_llama
+
+TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k_m", "q5_k_m", "q6_k"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("cuda")
+    source = write_tiny_llama(folder / "f32.gguf", n_embd=256, n_ff=512)
+    made = {}
+    for target in TYPES:
+        made[target] = folder / f"{target}.gguf"
+        quantize_in_child(source, made[target], target)
+    return made
+
+
+def _matmul_weights(model: ExactModel) -> list[str]:
+    return [w for _, _, w in LAYER0] + ["blk.0.ffn_down.weight", "blk.0.attn_output.weight"]
+
+
+@pytest.mark.parametrize("target", ["q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m"])
+def test_a_weight_is_a_scale_times_integers_plus_an_offset_per_block(
+    files: dict[str, Path], target: str
+) -> None:
+    model = ExactModel(files[target])
+    seen = set()
+    for name in _matmul_weights(model):
+        kind = model.weights.type_of(name).lower()
+        if kind not in BLOCK_BYTES:
+            continue
+        seen.add(kind)
+        n, scale, offset = cuda._affine(model.weights, name)
+        top = 15 if kind in ("q4_0", "q4_1", "q4_k") else 31
+        assert n.min() >= 0 and n.max() <= top and n.max() >= top - 1, (name, kind)
+        w = model.weights[name].reshape(n.shape)
+        again = scale[..., None] * n + offset[..., None]
+        assert np.abs(again - w).max() <= 2e-7 * np.abs(w).max(), (name, kind)
+    assert seen, target
+
+
+def _per_block(x: np.ndarray, model: ExactModel, name: str, kernel: str) -> np.ndarray:
+    """The kernel's dot product block by block, as its source writes it
+    (docs/gpu-arithmetic.md; vecdotq.cuh for MMVQ, mmq-vec-dot.cuh for MMQ)."""
+    kind = model.weights.type_of(name).lower()
+    a = cuda.quantize_q8_1(x, kernel, kind)
+    f16 = cuda.f16
+    if kind in BLOCK_BYTES:
+        n, d_w, offset = cuda._affine(model.weights, name)
+    else:  # q8_0, q6_k: the values as they are, no offset
+        w = model.weights[name]
+        n, d_w, offset = w.reshape(len(w), -1, 32), np.ones(w.shape[:1] + (w.shape[1] // 32,)), None
+    y = np.zeros((len(x), len(n)))
+    for t in range(len(x)):
+        for r in range(len(n)):
+            for b in range(n.shape[1]):
+                dot = float(n[r, b] @ a.q[t, b])  # the integer dot product
+                dh, sh = a.scale[t, b], a.sum[t, b]
+                if kind in ("q8_0", "q6_k"):
+                    y[t, r] += dot * dh * d_w[r, b]
+                elif kernel == "mmvq" and kind in ("q4_0", "q5_0"):
+                    y[t, r] += d_w[r, b] * (dh * dot + offset[r, b] / d_w[r, b] * sh)
+                elif kernel == "mmvq" and kind in ("q4_1", "q5_1"):
+                    y[t, r] += f16(d_w[r, b] * dh) * dot + f16(offset[r, b] * sh)
+                elif kernel == "mmvq":  # K-quants: dmin·m meets dh·Σq
+                    y[t, r] += d_w[r, b] * dh * dot + offset[r, b] * dh * a.q[t, b].sum()
+                elif kind in ("q4_0", "q5_0"):  # MMQ: n - 8 (n - 16) taken as the integers
+                    y[t, r] += d_w[r, b] * dh * (dot + offset[r, b] / d_w[r, b] * a.q[t, b].sum())
+                elif kind in ("q4_1", "q5_1"):
+                    y[t, r] += d_w[r, b] * dh * dot + offset[r, b] * sh
+                else:  # MMQ q4_K, q5_K: f16(d·sc) and f16(-dmin·m)
+                    y[t, r] += f16(d_w[r, b]) * dh * dot + f16(offset[r, b]) * sh
+    return y
+
+
+@pytest.mark.parametrize("kernel", ["mmvq", "mmq"])
+@pytest.mark.parametrize("target", TYPES)
+def test_the_engines_product_is_the_kernels_per_block_formula(
+    files: dict[str, Path], target: str, kernel: str
+) -> None:
+    model = ExactModel(files[target])
+    rng = np.random.default_rng(3)
+    name = "blk.0.attn_q.weight"
+    x = rng.standard_normal((2, 256))
+    x[1, :32] = 0.0  # an all-zero block: q = 0, scale 0
+    fast = cuda.linear(x, model.weights, name, kernel)
+    slow = _per_block(x, model, name, kernel)
+    assert np.abs(fast - slow).max() <= 1e-12 * np.abs(slow).max(), model.weights.type_of(name)
+
+
+def test_mmvq_for_at_most_8_tokens_and_mmq_above() -> None:
+    assert [cuda.kernel_for(n) for n in (1, 8, 9, 512)] == ["mmvq", "mmvq", "mmq", "mmq"]
+
+
+def test_the_activations_scale_is_kept_as_each_kernel_keeps_it() -> None:
+    x = np.linspace(-1.3, 0.7, 64)[None]
+    amax = np.float32(1.3)
+    mmvq = cuda.quantize_q8_1(x, "mmvq", "q8_0")
+    mmq_float = cuda.quantize_q8_1(x, "mmq", "q8_0")
+    mmq_half = cuda.quantize_q8_1(x, "mmq", "q4_k")
+    assert mmvq.scale[0, 0] == np.float16(amax / np.float32(127))
+    assert mmq_float.scale[0, 0] == np.float32(1) / (np.float32(127) / amax)
+    assert mmq_half.scale[0, 0] == np.float16(mmq_float.scale[0, 0])
+    assert mmq_float.scale[0, 0] != mmvq.scale[0, 0]
+    # the f16 sum of the unrounded values
+    assert mmvq.sum[0, 1] == np.float16(np.float32(x[0, 32:]).sum(dtype=np.float32))
+    # roundf: halves away from zero
+    assert list(cuda.round_half_away(np.array([-2.5, -0.5, 0.5, 1.5, 2.5]))) == [-3, -1, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("target", "kernel"), [("q8_0", "mmvq"), ("q4_0", "mmq")])
+def test_where_a_cuda_kernel_rounds_as_the_cpu_it_matches_llama_cpps_cpu(
+    files: dict[str, Path], target: str, kernel: str
+) -> None:
+    """MMVQ before a q8_0 weight and MMQ before a q4_0 weight keep f16 scales and no block
+    sum, as the CPU's Q8_0 does: on llama.cpp's own CPU tensors they must agree as the CPU
+    emulation does, to float32's level."""
+    tensors = in_child(captured_layer0, files[target])
+    model = ExactModel(files[target])
+    for given, made, weight in LAYER0:
+        x, theirs = tensors[given].astype(np.float64), tensors[made].astype(np.float64)
+        ours = cuda.linear(x[None], model.weights, weight, kernel)[0]
+        scale = np.abs(theirs).max()
+        assert np.abs(ours - theirs).max() < 1e-5 * scale, (weight, target)
