@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import in_child, quantize_in_child
+from qdiff.core.roundings import Roundings
 from qdiff.exact import cuda
-from qdiff.exact.model import BLOCK_BYTES, ExactModel
+from qdiff.exact.cuda import BLOCK_BYTES
+from qdiff.exact.model import ExactModel, _ubatch_sizes
 from test_roundings import LAYER0, captured_layer0
 from tinymodel import write_tiny_llama
 
@@ -140,3 +142,26 @@ def test_where_a_cuda_kernel_rounds_as_the_cpu_it_matches_llama_cpps_cpu(
         ours = cuda.linear(x[None], model.weights, weight, kernel)[0]
         scale = np.abs(theirs).max()
         assert np.abs(ours - theirs).max() < 1e-5 * scale, (weight, target)
+
+
+def test_the_engine_gives_each_row_the_kernel_of_its_ubatch(files: dict[str, Path]) -> None:
+    """A row computed in a ubatch of at most 8 tokens takes MMVQ, in a larger one MMQ; a
+    first-step emulation's last layer and output take one row a prompt (ggml_get_rows)."""
+    assert list(_ubatch_sizes(70, 64)) == [64] * 64 + [6] * 6
+    model = ExactModel(files["q4_1"], Roundings(cuda_activations=True))
+    name = "blk.0.attn_q.weight"
+    x = np.random.default_rng(5).standard_normal((45, 256))
+    model.row_tokens = np.array([5] * 5 + [40] * 40)
+    y = model.linear(x, name)
+    assert np.array_equal(y[:5], cuda.linear(x[:5], model.weights, name, "mmvq"))
+    assert np.array_equal(y[5:], cuda.linear(x[5:], model.weights, name, "mmq"))
+    assert not np.allclose(y[5:], cuda.linear(x[5:], model.weights, name, "mmvq"), atol=1e-6)
+    # a first step: the prompt's layers in MMQ, the last layer's feed-forward and the
+    # output in MMVQ (one row); the rest of the forward pass unchanged
+    tokens = list(range(3, 43))
+    full = model.logits(model.hidden([tokens])[0][-1:])
+    model.first_step_only = True
+    first = model.logits(model.hidden([tokens])[0][-1:])
+    assert not np.allclose(first, full, atol=1e-7)
+    exact = ExactModel(files["q4_1"]).forward(tokens, slice(-1, None))
+    assert np.abs(first - exact).max() < 10 * np.abs(full - exact).max()

@@ -164,10 +164,16 @@ def test_each_combination_gets_its_backends_sources() -> None:
             "cpu.none": (cpu, "none"),
             "cpu.f32": (cpu, "f32"),
             "cuda.none": (DeviceSettings(backend="cuda").as_dict(), "none"),
+            "cuda-kv32.f32": (DeviceSettings(backend="cuda", kv_cache_type="f32").as_dict(), "f32"),
+            "vulkan.none": (DeviceSettings(backend="vulkan").as_dict(), "none"),
             "cpu.f16": (cpu, "f16"),
         }
     )
-    assert "not emulated yet" in by_combination["cuda.none"]["not_emulated"]
+    assert set(by_combination["cuda.none"]["sources"]) == {"cuda_activations", "kv_f16"}
+    assert "TF32" in by_combination["cuda.none"]["not_followed"][0]
+    assert by_combination["cpu.none"]["not_followed"] == []
+    assert "none of CUDA's" in by_combination["cuda-kv32.f32"]["not_emulated"]
+    assert "not emulated yet" in by_combination["vulkan.none"]["not_emulated"]
     assert "weights are not the file's" in by_combination["cpu.f16"]["not_emulated"]
     shared = by_combination["cpu.none"]["sources"]["kv_f16"]
     assert shared == by_combination["cpu.f32"]["sources"]["kv_f16"] == "kv_f16"

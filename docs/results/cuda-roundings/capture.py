@@ -81,6 +81,33 @@ def capture(
     return out
 
 
+FIRST_STEPS = [3, 5, 12, 40]  # prompt lengths of the whole-model check
+STARTS = [0, 7, 19, 31]  # where each prompt starts in the text's tokens
+
+
+def first_steps(path: Path, backend: str) -> dict[str, np.ndarray]:
+    """The first step's logits of prompts of FIRST_STEPS tokens, each from STARTS."""
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.engine.devices import backend_devices, devices_for_backend
+    from qdiff.engine.log import init_backend
+    from qdiff.engine.model import LoadedModel
+
+    log = init_backend()
+    settings = DeviceSettings(backend=backend, threads=1)
+    gpu = devices_for_backend(backend, backend_devices())[0].handle if settings.on_gpu else None
+    out: dict[str, np.ndarray] = {}
+    with LoadedModel(path, settings, 256, gpu) as model:
+        tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, False)
+        for n in FIRST_STEPS:
+            for start in STARTS:
+                prompt = tokens[start : start + n]
+                logits, _ = model.prefill(prompt)
+                out[f"{n}-{start}"] = np.asarray(logits, dtype=np.float32)
+                out[f"{n}-{start}-tokens"] = np.asarray(prompt)
+    del log
+    return out
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     backend = sys.argv[2] if len(sys.argv) > 2 else "cuda"
@@ -97,6 +124,7 @@ def main() -> None:
             for n, tensors in capture(path, LENGTHS, backend, flash).items():
                 np.savez_compressed(out / f"{name}-{n}.npz", **tensors)
                 print(f"{name} n={n}: {len(tensors) - 1} tensors", flush=True)
+        np.savez_compressed(out / f"{target}-logits.npz", **first_steps(path, backend))
     (out / "files.tsv").write_text("\n".join(rows) + "\n")
 
 

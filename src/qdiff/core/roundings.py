@@ -21,6 +21,7 @@ class Roundings:
     qp_f16: bool = False
     flash_cpu: bool = False
     gelu_table: bool = False
+    cuda_activations: bool = False
     n_ubatch: int = 512  # decides which rows take flash attention's one-row path
     # >0: the seed of a float32-sized perturbation of every rounding's input (``jittered``)
     jitter: int = 0
@@ -43,6 +44,16 @@ SOURCE_LABELS = {
     "qp_f16": "f16 Q and softmax weights",
     "flash_cpu": "flash attention's f16 Q and accumulator",
     "gelu_table": "fp16 GELU table",
+    "cuda_activations": "CUDA's q8_1 activations (MMVQ, MMQ)",
+}
+# each backend's roundings the engine does not follow (yet): a residual above the floor is
+# expected where they act (docs/gpu-arithmetic.md)
+NOT_FOLLOWED = {
+    "cuda": [
+        "TF32 tensor-core products of f32 weights and of K·Q",
+        "softmax·V rounded to f16 and summed in f16",
+        "flash attention's f16 Q, P and sums",
+    ],
 }
 
 
@@ -53,7 +64,7 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     the model's architecture and weight types are read. Raises NotEmulatedError where the
     engine does not follow the backend's roundings."""
     backend = settings["backend"]
-    if backend != "cpu":
+    if backend not in ("cpu", "cuda"):
         raise NotEmulatedError(f"the {backend} backend's roundings are not emulated yet")
     if settings.get("extra_bufts"):
         raise NotEmulatedError("repacked weights (extra_bufts: true) are not emulated")
@@ -63,6 +74,8 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     if kv not in ("f16", "f32"):
         raise NotEmulatedError(f"a {kv} KV cache is not emulated")
     flash = bool(settings.get("flash_attn"))
+    if backend == "cuda":
+        return _cuda_sources(dequant, kv, flash)
     sources = {"gelu_table": Roundings(gelu_table=True)}
     if dequant == "none":
         sources["activations"] = Roundings(activations=True)
@@ -74,6 +87,20 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
             sources["flash_cpu"] = Roundings(flash_cpu=True, n_ubatch=n_ubatch)
         else:
             sources["qp_f16"] = Roundings(qp_f16=True)
+    return sources
+
+
+def _cuda_sources(dequant: str, kv: str, flash: bool) -> dict[str, Roundings]:
+    """CUDA's sources on an H200 that the engine follows (qdiff.exact.cuda): the q8_1
+    activations of the quantized file's matmuls and the f16 K/V (stored, or cast for flash
+    attention); NOT_FOLLOWED lists the rest."""
+    sources = {}
+    if dequant == "none":
+        sources["cuda_activations"] = Roundings(cuda_activations=True)
+    if kv == "f16" or flash:
+        sources["kv_f16"] = Roundings(kv_f16=True)
+    if not sources:
+        raise NotEmulatedError("none of CUDA's roundings of this combination is followed yet")
     return sources
 
 
@@ -117,6 +144,7 @@ def plan(
         for r in [*sources.values(), all_of, *jitters]:
             configs[config_id(r)] = r.as_dict()
         per_combination[label] = {
+            "not_followed": NOT_FOLLOWED.get(settings["backend"], []),
             "sources": {name: config_id(r) for name, r in sources.items()},
             "together": config_id(all_of),
             "jittered": [config_id(r) for r in jitters],

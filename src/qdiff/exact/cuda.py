@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from qdiff.core.roundings import NotEmulatedError
-from qdiff.exact.model import BLOCK_BYTES
 
 if TYPE_CHECKING:
     from qdiff.exact.model import Weights
 
+ROWS_AT_ONCE = 4096  # weight rows whose integers are recovered at once (linear)
 MMVQ_MAX_TOKENS = 8  # mmvq.cuh MMVQ_MAX_BATCH_SIZE: more tokens take MMQ
 QK = 32  # values per q8_1 block
 # weight types whose q8_1 scale MMQ keeps in float32 (mmq.cuh mmq_get_q8_1_ds_layout: D4)
@@ -40,6 +40,9 @@ USES_SUM = {
     "mmq": {"q4_1", "q5_1", "q4_k", "q5_k"},
 }
 EMULATED = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}
+# bytes per block of the types whose block fields are read (ggml-common.h): an fp16 d
+# first; q4_1 and q5_1 then an fp16 m; q4_K and q5_K an fp16 dmin and 12 bytes of scales
+BLOCK_BYTES = {"q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24, "q4_k": 144, "q5_k": 176}
 
 
 def kernel_for(n_tokens: int) -> str:
@@ -93,11 +96,16 @@ def quantize_q8_1(x: np.ndarray, kernel: str, weight_type: str) -> Q8_1:
     return Q8_1(q.astype(np.float64), scale, f16(total))
 
 
-def _k_scales(weights: Weights, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A q4_K or q5_K tensor's sub-block scales d·sc and offsets dmin·m, each in float32 as
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 field at byte ``at`` of each block, (rows, blocks) in float64."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q4_K or q5_K blocks' sub-block scales d·sc and offsets dmin·m, each in float32 as
     ggml computes them (``get_scale_min_k4``), (rows, sub-blocks of 32)."""
-    d, dmin = weights.block_half(name, 0), weights.block_half(name, 2)
-    s = weights.blocks(name)[..., 4:16].astype(np.int32)
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    s = blocks[..., 4:16].astype(np.int32)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
     m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
     rows = len(d)
@@ -106,19 +114,22 @@ def _k_scales(weights: Weights, name: str) -> tuple[np.ndarray, np.ndarray]:
     return scale.astype(np.float64), offset.astype(np.float64)
 
 
-def _affine(weights: Weights, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A weight as A·n + B per block of 32: the integers n (rows, blocks, 32), the scale A
-    and the offset B (rows, blocks), recovered from ggml's dequantized values."""
+def _affine(
+    weights: Weights, name: str, rows: slice = slice(None)
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of a weight as A·n + B per block of 32: the integers n (rows, blocks, 32), the
+    scale A and the offset B (rows, blocks), recovered from ggml's dequantized values."""
     kind = weights.type_of(name).lower()
+    blocks = weights.blocks(name)[rows]
     if kind in ("q4_k", "q5_k"):
-        scale, offset = _k_scales(weights, name)
+        scale, offset = _k_scales(blocks)
         offset = -offset
     elif kind in ("q4_1", "q5_1"):
-        scale, offset = weights.block_half(name, 0), weights.block_minimums(name)
+        scale, offset = _half(blocks, 0), _half(blocks, 2)
     else:  # q4_0, q5_0: the integers are centred on 8, 16
-        scale = weights.block_half(name, 0)
+        scale = _half(blocks, 0)
         offset = -scale * (8 if kind == "q4_0" else 16)
-    w = weights[name].reshape(len(scale), -1, QK)
+    w = weights[name][rows].reshape(len(scale), -1, QK)
     with np.errstate(divide="ignore", invalid="ignore"):
         n = np.where(scale[..., None] != 0, np.rint((w - offset[..., None]) / scale[..., None]), 0)
     return n, scale, offset
@@ -126,14 +137,25 @@ def _affine(weights: Weights, name: str) -> tuple[np.ndarray, np.ndarray, np.nda
 
 def linear(x: np.ndarray, weights: Weights, name: str, kernel: str) -> np.ndarray:
     """x @ Wᵀ as ``kernel`` (``mmvq`` or ``mmq``) computes it on an H200, for a weight of
-    one of the EMULATED types; x is (tokens, values)."""
+    one of the EMULATED types; x is (tokens, values). The weight's integers are recovered
+    ROWS_AT_ONCE rows at a time (each a float64 copy of those rows)."""
     kind = weights.type_of(name).lower()
     if kind not in EMULATED:
         raise NotEmulatedError(f"CUDA's kernels for {kind} weights")
     a = quantize_q8_1(x, kernel, kind)
     if kind not in BLOCK_BYTES:  # q8_0, q6_K: d·n exactly, no offset
         return a.values @ weights[name].T
-    n, scale, offset = _affine(weights, name)
+    n_rows = len(weights.blocks(name))
+    y = np.empty((len(x), n_rows))
+    for start in range(0, n_rows, ROWS_AT_ONCE):
+        rows = slice(start, start + ROWS_AT_ONCE)
+        y[:, rows] = _block_products(a, kind, kernel, *_affine(weights, name, rows))
+    return y
+
+
+def _block_products(
+    a: Q8_1, kind: str, kernel: str, n: np.ndarray, scale: np.ndarray, offset: np.ndarray
+) -> np.ndarray:
     if kernel == "mmvq" and kind in ("q4_1", "q5_1"):
         return _mmvq_rounded_products(a, n, scale, offset)
     if kernel == "mmq" and kind in ("q4_k", "q5_k"):

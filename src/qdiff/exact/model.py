@@ -13,8 +13,9 @@ import numpy as np
 
 from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import Roundings
-from qdiff.exact import dequantize
+from qdiff.exact import cuda, dequantize
 from qdiff.exact.architectures import read_hparams
+from qdiff.exact.cuda import BLOCK_BYTES
 from qdiff.exact.roundings import (
     CPU_VEC_DOT_TYPE,
     Scores,
@@ -28,9 +29,6 @@ from qdiff.exact.roundings import (
 )
 
 EXACT = Roundings()  # no rounding source: the exact answer
-# bytes per block of the types whose block fields the roundings read (ggml-common.h): an
-# fp16 d first; q4_1 and q5_1 then an fp16 m; q4_K and q5_K an fp16 dmin and 12 bytes of scales
-BLOCK_BYTES = {"q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24, "q4_k": 144, "q5_k": 176}
 DEQUANTIZE_VALUES = 2**22  # values dequantized at once (16 MiB of float32)
 
 
@@ -94,15 +92,11 @@ class Weights:
         rows = self._rows(name)
         return rows.reshape(len(rows), -1, BLOCK_BYTES[self.type_of(name).lower()])
 
-    def block_half(self, name: str, at: int) -> np.ndarray:
-        """The fp16 field at byte ``at`` of each block (0: d; 2: q4_1's and q5_1's
-        minimum m, the K-quants' dmin), (rows, blocks) in float64."""
-        blocks = self.blocks(name)
-        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float64)
-
     def block_minimums(self, name: str) -> np.ndarray:
-        """A Q4_1 or Q5_1 tensor's minimum per block of 32, (rows, blocks)."""
-        return self.block_half(name, 2)
+        """A Q4_1 or Q5_1 tensor's minimum per block of 32 (the fp16 ``m`` that follows each
+        block's scale), (rows, blocks) in float64."""
+        blocks = self.blocks(name)
+        return blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
 
     def type_of(self, name: str) -> str:
         return self._tensors[name].type_name
@@ -132,6 +126,15 @@ def gelu_fp16_table(x: np.ndarray) -> np.ndarray:
 
 
 BATCH_TOKENS = 512  # rows a batch of sequences holds (one longer sequence goes alone)
+
+
+def _ubatch_sizes(n_tokens: int, n_ubatch: int) -> np.ndarray:
+    """For each of a sequence's tokens, the size of the ubatch llama.cpp computes it in."""
+    sizes = np.full(n_tokens, n_ubatch)
+    last = n_tokens % n_ubatch
+    if last:
+        sizes[n_tokens - last :] = last
+    return sizes
 
 
 def _batches(lengths: list[int]) -> list[list[int]]:
@@ -244,6 +247,11 @@ class ExactModel:
         # LongRoPE's other set of factors is left out by choice, as llama.cpp leaves it
         self.weights.read |= {"rope_factors_long.weight", "rope_factors_short.weight"}
         self.roundings = roundings
+        # how many tokens the run's matmul holds, per row of the batch in hand (CUDA's
+        # kernels differ by it); and whether the run asks for each prompt's last logits
+        # only, so that its last layer's feed-forward and output see one row a prompt
+        self.row_tokens: np.ndarray = np.empty(0)
+        self.first_step_only = False
         self.output_name = (
             "output.weight" if "output.weight" in self.weights else "token_embd.weight"
         )
@@ -268,17 +276,32 @@ class ExactModel:
     def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
         """x @ Wᵀ (+ the bias where the file has one, as llama.cpp's loader takes it: the
         weight's own ``.bias``, or ``bias``), the input rounded as the CPU rounds it for this
-        weight's type when the ``activations`` switch is on."""
+        weight's type when the ``activations`` switch is on, as CUDA's kernels do when
+        ``cuda_activations`` is."""
         bias = bias or name.removesuffix("weight") + "bias"
-        if not self._roundings.activations:
+        kind = self.weights.type_of(name)
+        if self._roundings.cuda_activations and kind.lower() in cuda.EMULATED:
+            y = self._cuda_linear(self.rounded(x, lambda v: v), name)
+        elif not self._roundings.activations:
             y = x @ self.weights[name].T
         else:
-            kind = self.weights.type_of(name)
             x = self.rounded(x, lambda v: v)  # jittered once: both roundings below see it
             y = round_activations(x, kind) @ self.weights[name].T
             if CPU_VEC_DOT_TYPE.get(kind) == "q8_1":
                 y += q8_1_sum_error(x) @ self.weights.block_minimums(name).T
         return y + self.weights[bias] if bias in self.weights else y
+
+    def _cuda_linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ Wᵀ as CUDA's MMVQ or MMQ computes each row: by how many tokens the run's
+        matmul holds (``row_tokens``; all of x's rows where it is not set for them)."""
+        tokens = self.row_tokens if len(self.row_tokens) == len(x) else np.full(len(x), len(x))
+        few = tokens <= cuda.MMVQ_MAX_TOKENS
+        if few.all() or not few.any():
+            return cuda.linear(x, self.weights, name, "mmvq" if few.all() else "mmq")
+        y_few = cuda.linear(x[few], self.weights, name, "mmvq")
+        y = np.empty((len(x), y_few.shape[1]))
+        y[few], y[~few] = y_few, cuda.linear(x[~few], self.weights, name, "mmq")
+        return y
 
     def _qkv(self, x: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q, K and V, (n, heads, head_dim): from a fused ``attn_qkv`` (its rows Q, then K,
@@ -375,10 +398,15 @@ class ExactModel:
         hp, w, p = self.hp, self.weights, f"blk.{layer}."
         lengths = [len(x) for x in xs]
         x = np.concatenate(xs)
+        ubatch = self._roundings.n_ubatch
+        self.row_tokens = np.concatenate([_ubatch_sizes(n, ubatch) for n in lengths])
         attn = self._attention(rms_norm(x, w[p + "attn_norm.weight"], hp.eps), layer, lengths)
         if hp.arch.post_norms:
             attn = rms_norm(attn, w[p + "post_attention_norm.weight"], hp.eps)
         x = x + attn
+        if self.first_step_only and layer == hp.n_layer - 1:
+            # llama.cpp's last layer takes only the output rows on (ggml_get_rows): one
+            self.row_tokens = np.ones(len(x), dtype=int)
         ffn = self._feed_forward(rms_norm(x, w[p + "ffn_norm.weight"], hp.eps), layer)
         if hp.arch.post_norms:
             ffn = rms_norm(ffn, w[p + "post_ffw_norm.weight"], hp.eps)
@@ -386,6 +414,7 @@ class ExactModel:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The full vocabulary's logits of last-layer outputs ``x`` (rows of ``hidden``)."""
+        self.row_tokens = np.ones(len(x), dtype=int) if self.first_step_only else np.empty(0)
         x = rms_norm(x, self.weights["output_norm.weight"], self.hp.eps)
         logits = self.linear(x, self.output_name, bias="output.bias")  # tied or not
         return soft_capped(logits, self.hp.softcap)

@@ -13,6 +13,7 @@ import numpy as np
 from qdiff.core.backends import CPU_VEC_DOT_TYPE
 from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
+from qdiff.exact import cuda
 from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError, read_hparams
 from qdiff.exact.model import ATTENTION_BLOCK, BATCH_TOKENS, DEQUANTIZE_VALUES, ExactModel
 
@@ -90,6 +91,7 @@ def emulate(
 
     start = time.perf_counter()
     exact = ExactModel(model, n_ctx=context_of(teacher_run), layer_by_layer=layer_by_layer)
+    exact.first_step_only = True  # as the runs' first step: the last logits of each prompt
     prompts = teacher_run["prompts"]
     arrays = {}
     for name, values in configs.items():
@@ -106,6 +108,7 @@ def emulate(
         "applies": {
             "gelu_table": exact.hp.arch.activation == "gelu",
             "activations": bool(matmul_types),
+            "cuda_activations": bool({t.lower() for t in matmul_types} & cuda.EMULATED),
         },
         "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
