@@ -457,6 +457,20 @@ def test_the_error_budget_reads_a_residual_against_its_floor() -> None:
     assert "The floor is" not in found["error-budget-explained"]  # 10% of the distance
 
 
+def test_an_unexplained_budget_names_the_roundings_the_engine_does_not_follow() -> None:
+    """A GPU combination's emulation leaves some of its backend's roundings out: a residual
+    above the floor is then expected, and said so, not read as an unknown rounding."""
+    records, pairs = matrix({"cuda": {"backend": "cuda"}}, ["none"], {})
+    above = _budget_of([0.003] * 12, [0.002] * 12) | {"not_followed": ["TF32 products"]}
+    exact = exact_rows({"cuda.none": (1.9, 0.7)}, budgets={"cuda.none": above})
+    (found,) = [f for f in diagnose(records, pairs, exact) if "budget" in f.rule]
+    assert found.rule == "error-budget-unexplained"
+    assert found.text.endswith(
+        "as expected, since the engine does not yet follow this backend's TF32 products."
+    )
+    assert "does not follow." not in found.text
+
+
 def test_an_error_budget_whose_floor_is_the_distance_is_unresolved() -> None:
     records, pairs = matrix({"cpu": {"backend": "cpu"}}, ["f32"], {})
     coarse = _budget_of([0.001] * 12, [0.05] * 12)  # the floor 0.05, the distance 0.021

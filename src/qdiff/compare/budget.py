@@ -101,6 +101,7 @@ def budget(
         ratio = np.where(floor > 0, residual / floor, np.where(residual > 0, np.inf, 0.0))
     return {
         "status": "ok",
+        "not_followed": plan.get("not_followed", []),
         "n_prompts": len(prompt_ids),
         "distance": _spread(_max_abs(logits, exact)),
         "sources": sources,

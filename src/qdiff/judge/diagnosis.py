@@ -728,7 +728,13 @@ def _error_budget(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
             "how far equally valid float32 inputs move the emulation), within it on "
             f"{b['within_floor']} of {b['n_prompts']} prompts"
         )
-        if reading == "unexplained":
+        not_followed = b.get("not_followed", [])
+        if reading == "unexplained" and not_followed:
+            text += (
+                f" (p = {b['p_value']:.2g}): as expected, since the engine does not yet "
+                f"follow this backend's {'; '.join(not_followed)}."
+            )
+        elif reading == "unexplained":
             text += (
                 f" (p = {b['p_value']:.2g}): the run rounds somewhere the emulation does not "
                 "follow."
@@ -742,6 +748,8 @@ def _error_budget(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
             )
         else:
             text += ": on these prompts the rest is indistinguishable from that floor."
+            if not_followed:
+                text += f" The engine does not follow {'; '.join(not_followed)}."
         findings.append(Finding(f"error-budget-{reading.replace(' ', '-')}", text, numbers))
     return findings
 

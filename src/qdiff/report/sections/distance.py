@@ -123,7 +123,8 @@ def _budget_row(name: str, b: dict[str, Any], sources: list[str]) -> dict[str, s
         "residual / floor": f"{b['ratio_median']:.2g}",
         "floor / from exact": f"{b['floor']['median'] / b['distance']['median']:.2g}",
         "within floor": count(b["within_floor"], b["n_prompts"]),
-        "reading": f"{verdict(b)} (p = {b['p_value']:.2g})",
+        "reading": f"{verdict(b)} (p = {b['p_value']:.2g})"
+        + "".join(f"; not followed: {text(n)}" for n in b.get("not_followed", [])),
     }
 
 
