@@ -1,13 +1,16 @@
-"""CUDA's quantized matmuls as float64 arithmetic (qdiff.exact.cuda), on this CPU machine.
+"""CUDA's matmuls as float64 arithmetic (qdiff.exact.cuda), on this CPU machine.
 
-The kernels themselves run only on a GPU: docs/results/cuda-roundings/ holds them against
-tensors captured on the H200. Here: the weights read as the kernels read them, the
-engine's vectorised form against each kernel's per-block formula as the source writes it,
-and the cases where a CUDA kernel's arithmetic is the CPU's, against llama.cpp's own CPU
-tensors."""
+- Against llama.cpp's CUDA tensors, captured on an H200 (docs/results/cuda-roundings/h200,
+  by capture.py there): every matmul of layer 0 of tiny models of eight quantized types
+  and f32, prompts of 1, 5, 12 and 40 tokens, equals the engine's emulation of its kernel
+  to float32's level, and the other kernel's emulation does not.
+- The weights read as the kernels read them, the engine's vectorised form against each
+  kernel's per-block formula as the source writes it, and the cases where a CUDA kernel's
+  arithmetic is the CPU's, against llama.cpp's own CPU tensors."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -21,18 +24,73 @@ from qdiff.exact.model import ExactModel, _ubatch_sizes
 from test_roundings import LAYER0, captured_layer0
 from tinymodel import write_tiny_llama
 
+H200 = Path(__file__).parents[1] / "docs/results/cuda-roundings/h200"
+LENGTHS = [1, 5, 12, 40]  # capture.py's prompts: MMVQ/MMVF, MMVQ/MMF, MMQ/MMF, MMQ/cuBLAS
+# matmuls of layer 0 (input, output, weight) beyond test_roundings.LAYER0's
+MORE = [
+    ("kqv_out-0", "attn_out-0", "blk.0.attn_output.weight"),
+    ("ffn_swiglu-0", "ffn_out-0", "blk.0.ffn_down.weight"),
+]
 TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k_m", "q5_k_m", "q6_k"]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny models capture.py made on the H200, made again (the same seed and
+    quantization: their sha256 is checked against the capture's)."""
     folder = tmp_path_factory.mktemp("cuda")
     source = write_tiny_llama(folder / "f32.gguf", n_embd=256, n_ff=512)
-    made = {}
+    made = {"f32": source}
     for target in TYPES:
         made[target] = folder / f"{target}.gguf"
         quantize_in_child(source, made[target], target)
+    captured = dict(line.split("\t") for line in (H200 / "files.tsv").read_text().splitlines())
+    for target, path in made.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == captured[target], target
     return made
+
+
+@pytest.mark.parametrize("target", TYPES)
+def test_each_quantized_matmul_is_its_kernels_emulation_on_h200_tensors(
+    files: dict[str, Path], target: str
+) -> None:
+    model = ExactModel(files[target])
+    for n in LENGTHS:
+        tensors = np.load(H200 / f"{target}-{n}.npz")
+        own = cuda.kernel_for(n)
+        other = "mmq" if own == "mmvq" else "mmvq"
+        for given, made, weight in LAYER0 + MORE:
+            x, theirs = tensors[given].astype(np.float64)[None], tensors[made].astype(np.float64)
+            scale = np.abs(theirs).max()
+            err = np.abs(cuda.linear(x, model.weights, weight, own)[0] - theirs).max() / scale
+            err_other = np.abs(cuda.linear(x, model.weights, weight, other)[0] - theirs).max()
+            assert err < 1e-6, (target, n, weight, err)
+            assert err_other / scale > 50 * err, (target, n, weight, err, err_other / scale)
+
+
+def test_f32_matmuls_are_float32_then_truncated_then_rounded_tf32_on_h200_tensors(
+    files: dict[str, Path],
+) -> None:
+    """1 token: MMVF in float32; 5 and 12: MMF, the operands' bits cut to TF32; 40: cuBLAS,
+    rounded to TF32 (to nearest even)."""
+    model = ExactModel(files["f32"])
+    for n in LENGTHS:
+        tensors = np.load(H200 / f"f32-{n}.npz")
+        for given, made, weight in LAYER0 + MORE:
+            x, theirs = tensors[given].astype(np.float64)[None], tensors[made].astype(np.float64)
+            w, scale = model.weights[weight], np.abs(theirs).max()
+            errs = {
+                name: np.abs(y[0] - theirs).max() / scale
+                for name, y in {
+                    "emulated": cuda.f32_linear(x, w, n),
+                    "float32": x @ w.T,
+                    "truncated": cuda.tf32(x, False) @ cuda.tf32(w, False).T,
+                    "rounded": cuda.tf32(x, True) @ cuda.tf32(w, True).T,
+                }.items()
+            }
+            assert errs["emulated"] < 1e-6, (n, weight, errs)
+            others = [e for k, e in errs.items() if k != "emulated" and e > 1e-6]
+            assert len(others) == 2 and min(others) > 50 * errs["emulated"], (n, weight, errs)
 
 
 def _matmul_weights(model: ExactModel) -> list[str]:
@@ -156,6 +214,12 @@ def test_the_engine_gives_each_row_the_kernel_of_its_ubatch(files: dict[str, Pat
     assert np.array_equal(y[:5], cuda.linear(x[:5], model.weights, name, "mmvq"))
     assert np.array_equal(y[5:], cuda.linear(x[5:], model.weights, name, "mmq"))
     assert not np.allclose(y[5:], cuda.linear(x[5:], model.weights, name, "mmvq"), atol=1e-6)
+    f32 = ExactModel(files["f32"], Roundings(cuda_tf32=True))
+    f32.row_tokens = np.array([2] * 2 + [5] * 5 + [38] * 38)
+    y = f32.linear(x, name)
+    w = f32.weights[name]
+    for rows, n in ((slice(0, 2), 2), (slice(2, 7), 5), (slice(7, 45), 38)):
+        assert np.array_equal(y[rows], cuda.f32_linear(x[rows], w, n)), n
     # a first step: the prompt's layers in MMQ, the last layer's feed-forward and the
     # output in MMVQ (one row); the rest of the forward pass unchanged
     tokens = list(range(3, 43))
@@ -165,3 +229,14 @@ def test_the_engine_gives_each_row_the_kernel_of_its_ubatch(files: dict[str, Pat
     assert not np.allclose(first, full, atol=1e-7)
     exact = ExactModel(files["q4_1"]).forward(tokens, slice(-1, None))
     assert np.abs(first - exact).max() < 10 * np.abs(full - exact).max()
+
+
+def test_tf32_drops_or_rounds_the_low_13_bits() -> None:
+    one_and = np.float32(1.0) + np.float32(2.0**-10) * np.array([0.5, 0.25, 0.75, 1.5])
+    assert list(cuda.tf32(one_and, False)) == [1.0, 1.0, 1.0, 1 + 2.0**-10]
+    assert list(cuda.tf32(one_and, True)) == [1.0, 1.0, 1 + 2.0**-10, 1 + 2.0**-9]
+    x = np.random.default_rng(0).standard_normal((3, 8))
+    w = np.random.default_rng(1).standard_normal((4, 8))
+    assert np.array_equal(cuda.f32_linear(x, w, 3), x @ w.T)
+    assert np.array_equal(cuda.f32_linear(x, w, 16), cuda.tf32(x, False) @ cuda.tf32(w, False).T)
+    assert np.array_equal(cuda.f32_linear(x, w, 17), cuda.tf32(x, True) @ cuda.tf32(w, True).T)

@@ -169,10 +169,11 @@ def test_each_combination_gets_its_backends_sources() -> None:
             "cpu.f16": (cpu, "f16"),
         }
     )
-    assert set(by_combination["cuda.none"]["sources"]) == {"cuda_activations", "kv_f16"}
-    assert "TF32" in by_combination["cuda.none"]["not_followed"][0]
+    cuda_sources = by_combination["cuda.none"]["sources"]
+    assert set(cuda_sources) == {"cuda_activations", "cuda_tf32", "kv_f16"}
+    assert "attention's roundings" in by_combination["cuda.none"]["not_followed"][0]
     assert by_combination["cpu.none"]["not_followed"] == []
-    assert "none of CUDA's" in by_combination["cuda-kv32.f32"]["not_emulated"]
+    assert set(by_combination["cuda-kv32.f32"]["sources"]) == {"cuda_tf32"}
     assert "not emulated yet" in by_combination["vulkan.none"]["not_emulated"]
     assert "weights are not the file's" in by_combination["cpu.f16"]["not_emulated"]
     shared = by_combination["cpu.none"]["sources"]["kv_f16"]

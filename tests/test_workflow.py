@@ -628,7 +628,13 @@ def test_every_cpu_combination_gets_an_error_budget(finished: Workspace) -> None
         folder = finished.root / f"results/exact/{model}"
         emulated = json.loads((folder / "roundings.json").read_text())
         assert emulated["status"] == "ok" and emulated["stage"] == "roundings"
-        assert emulated["applies"] == {"gelu_table": False, "activations": model != "tiny"}
+        quantized_file = model != "tiny"
+        assert emulated["applies"] == {
+            "gelu_table": False,
+            "activations": quantized_file,
+            "cuda_activations": quantized_file,
+            "cuda_tf32": not quantized_file,
+        }
         rows = {
             r["combination"]: r for r in json.loads((folder / "distance.json").read_text())["rows"]
         }

@@ -6,17 +6,19 @@ input, computed four ways, against llama.cpp's captured output:
   mmvq   CUDA's MMVQ (1-8 tokens on an H200)
   mmq    CUDA's MMQ (9 tokens or more)
   tf32t  f32 and f16 weights: both operands cut to TF32's 10 mantissa bits (truncated)
-  tf32r  the same, rounded to nearest (ties away, as cvt.rna.tf32.f32)
+  tf32r  the same, rounded to nearest (ties to even)
   x16    the activations rounded to f16 (f16 weights' MMF and cuBLAS paths)
 and prints the largest difference relative to the output's largest value, per weight type
 and prompt length. An emulation that follows the kernel is at float32's level (about 1e-7);
-one that does not, at the rounding's own (1e-3 or more). Run here, from the repository's
-root, on the captures' folder:
-    .venv/bin/python docs/results/cuda-roundings/check.py CAPTURES
+one that does not, at the rounding's own (1e-4 or more). Then the whole tiny models' first
+steps against the engine (whole_models). Run here, from the repository's root, on the
+captures' folder:
+    .venv/bin/python docs/results/cuda-roundings/check.py docs/results/cuda-roundings/h200
 The tiny models are made again from the same seed and checked against files.tsv."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import tempfile
@@ -27,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "docs/results/cuda-roundings"), str(ROOT / "tests")]
 
-from capture import LENGTHS, TARGETS, make  # noqa: E402
+from capture import FIRST_STEPS, LENGTHS, STARTS, TARGETS, make  # noqa: E402
 
 from qdiff.core.backends import CPU_VEC_DOT_TYPE  # noqa: E402
 from qdiff.exact import cuda  # noqa: E402
@@ -46,14 +48,6 @@ MATMULS = [
 ]
 
 
-def tf32(x: np.ndarray, rounded: bool) -> np.ndarray:
-    """float32 values with the low 13 mantissa bits dropped, or rounded away (ties away)."""
-    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    if rounded:
-        bits = bits + 0x1000
-    return (bits & 0xFFFFE000).astype(np.uint32).view(np.float32).astype(np.float64)
-
-
 def ways(model: ExactModel, x: np.ndarray, weight: str) -> dict[str, np.ndarray]:
     w = model.weights
     kind = w.type_of(weight).lower()
@@ -64,13 +58,63 @@ def ways(model: ExactModel, x: np.ndarray, weight: str) -> dict[str, np.ndarray]
             cpu += q8_1_sum_error(x) @ w.block_minimums(weight).T
         out["cpu"] = cpu
     if kind in ("f32", "f16"):
-        for name, rounded in (("tf32t", False), ("tf32r", True)):
-            out[name] = tf32(x, rounded) @ tf32(w[weight], rounded).T
+        for name, nearest in (("tf32t", False), ("tf32r", True)):
+            out[name] = cuda.tf32(x, nearest) @ cuda.tf32(w[weight], nearest).T
         out["x16"] = x.astype(np.float16).astype(np.float64) @ w[weight].T
     if kind in cuda.EMULATED:
         for kernel in ("mmvq", "mmq"):
             out[kernel] = cuda.linear(x, w, weight, kernel)
     return out
+
+
+def whole_models(captures: Path, folder: Path) -> None:
+    """Each quantized file's first steps on CUDA (capture.py's FIRST_STEPS prompts) against
+    the engine: exact, and with CUDA's followed roundings (q8_1 activations, f16 K/V and,
+    where a prompt of 2-16 tokens takes MMF for attention, f16 Q and softmax weights),
+    with their inputs jittered twice (the floor, qdiff.compare.budget). Prints per prompt
+    length the median over prompts of run - exact, run - emulation (the residual) and the
+    floor (first-step max |Δ|), the largest residual, and the prompts whose residual is
+    within the floor (or within 1e-5, float32's level for these logits)."""
+    from qdiff.core.roundings import JITTER_SEEDS, Roundings
+
+    print(
+        f"\n{'file':8} {'n':>3} {'from exact':>10} {'residual':>10} {'floor':>10} "
+        f"{'res/floor':>9} {'max resid':>10} within"
+    )
+    for target in TARGETS:
+        if target in ("f32", "f16"):
+            continue
+        runs = np.load(captures / f"{target}-logits.npz")
+        model = ExactModel(make(folder, target))
+        model.first_step_only = True
+        for n in FIRST_STEPS:
+            keys = [f"{n}-{start}" for start in STARTS]
+            prompts = [list(runs[k + "-tokens"]) for k in keys]
+            run = np.array([runs[k] for k in keys], dtype=np.float64)
+            switches = Roundings(
+                cuda_activations=True, cuda_tf32=True, kv_f16=True, qp_f16=2 <= n <= 16
+            )
+            made = {}
+            for name, r in (
+                [("exact", Roundings())]
+                + [("all", switches)]
+                + [
+                    (f"j{seed}", dataclasses.replace(switches, jitter=seed))
+                    for seed in JITTER_SEEDS
+                ]
+            ):
+                model.roundings = r
+                made[name] = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+            dist = np.abs(run - made["exact"]).max(axis=1)
+            residual = np.abs(run - made["all"]).max(axis=1)
+            floor = np.max(
+                [np.abs(made[f"j{s}"] - made["all"]).max(axis=1) for s in JITTER_SEEDS], axis=0
+            )
+            print(
+                f"{target:8} {n:3d} {np.median(dist):10.3g} {np.median(residual):10.3g} "
+                f"{np.median(floor):10.3g} {np.median(residual / np.maximum(floor, 1e-30)):9.3g} "
+                f"{residual.max():10.3g} {(residual <= np.maximum(floor, 1e-5)).sum()}/{len(keys)}"
+            )
 
 
 def main() -> None:
@@ -88,6 +132,8 @@ def main() -> None:
             model = ExactModel(path)
             for flash in ("", "-fa"):
                 for n in LENGTHS:
+                    if not (captures / f"{target}{flash}-{n}.npz").exists():
+                        continue  # flash attention's matmuls are the same: not kept
                     tensors = np.load(captures / f"{target}{flash}-{n}.npz")
                     for given, made, weight in MATMULS:
                         if given not in tensors or made not in tensors:
@@ -106,6 +152,8 @@ def main() -> None:
     for target, n, made, kind, errs in rows:
         cells = " ".join(f"{errs[k]:9.2e}" if k in errs else f"{'':>9}" for k in names)
         print(f"{target:10} {n:3d} {made:12} {kind:5} {cells}")
+    with tempfile.TemporaryDirectory() as folder:
+        whole_models(captures, Path(folder))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ class Roundings:
     flash_cpu: bool = False
     gelu_table: bool = False
     cuda_activations: bool = False
+    cuda_tf32: bool = False
     n_ubatch: int = 512  # decides which rows take flash attention's one-row path
     # >0: the seed of a float32-sized perturbation of every rounding's input (``jittered``)
     jitter: int = 0
@@ -45,14 +46,15 @@ SOURCE_LABELS = {
     "flash_cpu": "flash attention's f16 Q and accumulator",
     "gelu_table": "fp16 GELU table",
     "cuda_activations": "CUDA's q8_1 activations (MMVQ, MMQ)",
+    "cuda_tf32": "CUDA's TF32 products of f32 weights",
 }
 # each backend's roundings the engine does not follow (yet): a residual above the floor is
 # expected where they act (docs/gpu-arithmetic.md)
 NOT_FOLLOWED = {
     "cuda": [
-        "TF32 tensor-core products of f32 weights and of K·Q",
-        "softmax·V rounded to f16 and summed in f16",
-        "flash attention's f16 Q, P and sums",
+        "attention's roundings (Q and the softmax weights in f16 for 2-16 tokens; K·Q in "
+        "TF32 and softmax·V summed in f16 for more; softmax·V summed in f16 for one)",
+        "flash attention's f16 Q, softmax weights and sums",
     ],
 }
 
@@ -92,15 +94,13 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
 
 def _cuda_sources(dequant: str, kv: str, flash: bool) -> dict[str, Roundings]:
     """CUDA's sources on an H200 that the engine follows (qdiff.exact.cuda): the q8_1
-    activations of the quantized file's matmuls and the f16 K/V (stored, or cast for flash
-    attention); NOT_FOLLOWED lists the rest."""
-    sources = {}
+    activations of the quantized file's matmuls, the TF32 products of f32 weights, and the
+    f16 K/V (stored, or cast for flash attention); NOT_FOLLOWED lists the rest."""
+    sources = {"cuda_tf32": Roundings(cuda_tf32=True)}  # f32 weights, of a file or a copy
     if dequant == "none":
         sources["cuda_activations"] = Roundings(cuda_activations=True)
     if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
-    if not sources:
-        raise NotEmulatedError("none of CUDA's roundings of this combination is followed yet")
     return sources
 
 

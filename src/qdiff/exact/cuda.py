@@ -15,6 +15,12 @@ cuBLAS); both first quantize each token's activations to q8_1, per block of 32 v
 The integer dot products are exact. The build's ``-use_fast_math`` makes the two divisions
 approximate (within 2 ulp): a value that far from a rounding tie may round the other way,
 which the floor of the error budget (``jittered``) covers.
+
+An f32 weight's matmul of 1-3 tokens runs MMVF in float32; of 4-16 MMF, whose TF32
+tensor-core products take the float32 bits as they are (the low 13 mantissa bits of both
+operands dropped: measured, docs/results/cuda-roundings); of more, cuBLAS in TF32 mode,
+which rounds both operands to TF32 to nearest even (measured likewise). Each case was
+matched to float32's level on layer 0 of tiny models captured on an H200.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ if TYPE_CHECKING:
 
 ROWS_AT_ONCE = 4096  # weight rows whose integers are recovered at once (linear)
 MMVQ_MAX_TOKENS = 8  # mmvq.cuh MMVQ_MAX_BATCH_SIZE: more tokens take MMQ
+MMVF_MAX_TOKENS = 3  # mmvf.cu ggml_cuda_should_use_mmvf, f32 weights on Ampere and later
+MMF_MAX_TOKENS = 16  # mmf.cu ggml_cuda_should_use_mmf: more tokens take cuBLAS
 QK = 32  # values per q8_1 block
 # weight types whose q8_1 scale MMQ keeps in float32 (mmq.cuh mmq_get_q8_1_ds_layout: D4)
 MMQ_FLOAT_SCALE = {"q5_0", "q8_0", "q6_k"}
@@ -180,3 +188,21 @@ def _mmvq_rounded_products(
         m = f16(a.sum[:, None, :] * offset[part][None])
         y[:, part] = (d * sums + m).sum(axis=-1)
     return y
+
+
+def tf32(x: np.ndarray, nearest: bool) -> np.ndarray:
+    """float32 values as TF32 keeps them (10 mantissa bits): the low 13 bits dropped, or
+    rounded to nearest even."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    if nearest:
+        bits = bits + 0xFFF + ((bits >> 13) & 1)
+    return (bits & 0xFFFFE000).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def f32_linear(x: np.ndarray, w: np.ndarray, n_tokens: int) -> np.ndarray:
+    """x @ wᵀ for an f32 weight ``w`` as CUDA computes a matmul of ``n_tokens`` tokens:
+    MMVF in float32, MMF with truncated TF32 operands, cuBLAS with rounded ones."""
+    if n_tokens <= MMVF_MAX_TOKENS:
+        return x @ w.T
+    nearest = n_tokens > MMF_MAX_TOKENS
+    return tf32(x, nearest) @ tf32(w, nearest).T

@@ -277,11 +277,13 @@ class ExactModel:
         """x @ Wᵀ (+ the bias where the file has one, as llama.cpp's loader takes it: the
         weight's own ``.bias``, or ``bias``), the input rounded as the CPU rounds it for this
         weight's type when the ``activations`` switch is on, as CUDA's kernels do when
-        ``cuda_activations`` is."""
+        ``cuda_activations`` is (quantized weights) or ``cuda_tf32`` (f32 weights)."""
         bias = bias or name.removesuffix("weight") + "bias"
         kind = self.weights.type_of(name)
         if self._roundings.cuda_activations and kind.lower() in cuda.EMULATED:
             y = self._cuda_linear(self.rounded(x, lambda v: v), name)
+        elif self._roundings.cuda_tf32 and kind == "f32":
+            y = self._cuda_f32_linear(self.rounded(x, lambda v: v), name)
         elif not self._roundings.activations:
             y = x @ self.weights[name].T
         else:
@@ -291,10 +293,25 @@ class ExactModel:
                 y += q8_1_sum_error(x) @ self.weights.block_minimums(name).T
         return y + self.weights[bias] if bias in self.weights else y
 
+    def _tokens_of_rows(self, n_rows: int) -> np.ndarray:
+        """How many tokens the run's matmul holds, per row (``row_tokens``; all of the
+        rows where it is not set for them)."""
+        rows = self.row_tokens
+        return rows if len(rows) == n_rows else np.full(n_rows, n_rows)
+
+    def _cuda_f32_linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ Wᵀ for an f32 weight as CUDA computes each row (cuda.f32_linear)."""
+        tokens = self._tokens_of_rows(len(x))
+        y = np.empty((len(x), len(self.weights[name])))
+        for n in np.unique(tokens):
+            rows = tokens == n
+            y[rows] = cuda.f32_linear(x[rows], self.weights[name], int(n))
+        return y
+
     def _cuda_linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x @ Wᵀ as CUDA's MMVQ or MMQ computes each row: by how many tokens the run's
-        matmul holds (``row_tokens``; all of x's rows where it is not set for them)."""
-        tokens = self.row_tokens if len(self.row_tokens) == len(x) else np.full(len(x), len(x))
+        """x @ Wᵀ as CUDA's MMVQ or MMQ computes each row, by how many tokens the run's
+        matmul holds."""
+        tokens = self._tokens_of_rows(len(x))
         few = tokens <= cuda.MMVQ_MAX_TOKENS
         if few.all() or not few.any():
             return cuda.linear(x, self.weights, name, "mmvq" if few.all() else "mmq")

@@ -109,6 +109,7 @@ def emulate(
             "gelu_table": exact.hp.arch.activation == "gelu",
             "activations": bool(matmul_types),
             "cuda_activations": bool({t.lower() for t in matmul_types} & cuda.EMULATED),
+            "cuda_tf32": _has_f32_matrices(exact),
         },
         "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
@@ -116,6 +117,17 @@ def emulate(
         "layer_by_layer": layer_by_layer,
     }
     return record, arrays
+
+
+def _has_f32_matrices(exact: ExactModel) -> bool:
+    """Whether a matmul of the model has an f32 weight (the embeddings only where the
+    output reuses them: otherwise they are looked up, not multiplied)."""
+    return any(
+        t.type_name == "f32"
+        and len(t.shape) >= 2
+        and (t.name != "token_embd.weight" or exact.output_name == t.name)
+        for t in exact.weights.file.tensors
+    )
 
 
 def context_of(teacher_run: dict[str, Any]) -> int:

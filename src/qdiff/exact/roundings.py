@@ -23,6 +23,9 @@ float32 sums. What each switch follows:
   every key (``ggml_vec_mad_f16``, ``ggml_vec_scale_f16``); a larger ubatch takes the
   tiled path, float32 throughout but for the stored K and V.
 - ``gelu_table`` (CPU): GELU read from an fp16 table (ggml-cpu/vec.h, GGML_GELU_FP16).
+
+CUDA's ``cuda_activations`` and ``cuda_tf32`` (its matmuls, by the number of tokens) are
+followed in qdiff.exact.cuda.
 """
 
 from __future__ import annotations
