@@ -17,10 +17,13 @@ import numpy as np
 import pytest
 
 from conftest import in_child, quantize_in_child
-from qdiff.core.roundings import Roundings
+from qdiff.compare.budget import combination_budget
+from qdiff.core.roundings import NotEmulatedError, Roundings, config_id, plan
+from qdiff.core.settings import DeviceSettings
 from qdiff.exact import cuda
 from qdiff.exact.cuda import BLOCK_BYTES
 from qdiff.exact.model import ExactModel, _ubatch_sizes
+from qdiff.exact.reference import emulate
 from test_roundings import LAYER0, captured_layer0
 from tinymodel import write_tiny_llama
 
@@ -240,3 +243,68 @@ def test_tf32_drops_or_rounds_the_low_13_bits() -> None:
     assert np.array_equal(cuda.f32_linear(x, w, 3), x @ w.T)
     assert np.array_equal(cuda.f32_linear(x, w, 16), cuda.tf32(x, False) @ cuda.tf32(w, False).T)
     assert np.array_equal(cuda.f32_linear(x, w, 17), cuda.tf32(x, True) @ cuda.tf32(w, True).T)
+
+
+def test_a_sequence_batched_with_others_is_computed_as_alone(files: dict[str, Path]) -> None:
+    """Each prompt is its own run: a 5-token prompt takes MMVQ even when the engine batches
+    it with a 40-token one (each row's kernel by its own sequence's ubatch)."""
+    model = ExactModel(files["q4_1"], Roundings(cuda_activations=True, kv_f16=True))
+    short, long = list(range(3, 8)), list(range(10, 50))
+    batched = model.hidden([short, long])
+    for tokens, h in zip((short, long), batched, strict=True):
+        alone = model.hidden([tokens])[0]
+        assert np.abs(h - alone).max() <= 1e-12 * np.abs(alone).max(), len(tokens)
+
+
+@pytest.mark.parametrize("target", TYPES)
+def test_first_steps_of_short_prompts_are_the_h200s_to_float32s_level(
+    files: dict[str, Path], target: str
+) -> None:
+    """Whole tiny models, prompts of 3 and 5 tokens (MMVQ throughout; attention's MMF with
+    f16 Q and softmax weights): the engine with CUDA's roundings is within 1e-5 of the
+    H200's logits at the median prompt, where the exact answer is 0.01 or more away."""
+    runs = np.load(H200 / f"{target}-logits.npz")
+    model = ExactModel(files[target])
+    model.first_step_only = True
+    cuda_run = Roundings(cuda_activations=True, cuda_tf32=True, kv_f16=True, qp_f16=True)
+    for n in (3, 5):
+        keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
+        prompts = [list(runs[k + "-tokens"]) for k in keys]
+        run = np.array([runs[k] for k in keys], dtype=np.float64)
+        made = {}
+        for name, r in (("exact", Roundings()), ("cuda", cuda_run)):
+            model.roundings = r
+            made[name] = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+        residual = np.median(np.abs(run - made["cuda"]).max(axis=1))
+        distance = np.median(np.abs(run - made["exact"]).max(axis=1))
+        assert len(keys) == 4 and residual < 1e-5 and distance > 1e-2, (n, residual, distance)
+
+
+def test_weights_whose_cuda_kernel_is_not_followed_leave_that_budget_unmeasured(
+    tmp_path: Path, files: dict[str, Path]
+) -> None:
+    """An f16 file: CUDA's sets raise NotEmulatedError (no silent fallback to plain
+    products), the emulation job still computes the CPU's sets, and the CUDA combination's
+    budget says why it has none."""
+    path = tmp_path / "f16.gguf"
+    quantize_in_child(files["f32"], path, "f16")
+    with pytest.raises(NotEmulatedError, match="CUDA's matmuls of f16 weights"):
+        ExactModel(path, Roundings(cuda_tf32=True)).forward([3, 4, 5], slice(-1, None))
+    settings = {
+        "cpu.none": (DeviceSettings(backend="cpu").as_dict(), "none"),
+        "cuda.none": (DeviceSettings(backend="cuda").as_dict(), "none"),
+    }
+    configs, entries = plan(settings)
+    run = {"generation": {"n_ctx": 64}, "prompts": [{"id": "p", "prompt_tokens": [3, 4, 5]}]}
+    record, arrays = emulate(path, run, configs)
+    assert entries["cuda.none"]["together"] in record["not_emulated"]
+    assert entries["cpu.none"]["together"] in arrays
+    cpu = arrays[entries["cpu.none"]["together"]]  # stands in for the run and exact
+    cuda_run = {"settings": settings["cuda.none"][0], "dequant": "none", "prompts": run["prompts"]}
+    row = combination_budget(cuda_run, cpu, None, ({"status": "ok"} | record, arrays), cpu)
+    assert row == {"status": "n/a", "reason": "not emulated: CUDA's matmuls of f16 weights"}
+
+
+def test_cuda_sets_are_named_by_their_ubatch() -> None:
+    assert config_id(Roundings(cuda_activations=True, n_ubatch=64)) == "cuda_activations@ub64"
+    assert config_id(Roundings(kv_f16=True, n_ubatch=64)) == "kv_f16"

@@ -183,6 +183,19 @@ def test_each_combination_gets_its_backends_sources() -> None:
     assert len(by_combination["cpu.none"]["jittered"]) == len(JITTER_SEEDS)
 
 
+def test_a_floor_is_at_least_float32s_level_of_the_largest_logit() -> None:
+    """Where jittering moves nothing (no rounding near a tie), the run still differs from
+    a faithful emulation by the order of its float32 sums: the floor is 2^-20 of its
+    largest logit, not 0."""
+    logits = np.array([[8.0, 0.0, -1.0]] * 3)
+    together = logits + np.array([[2e-6], [1e-5], [4e-6]])  # the residual per prompt
+    sets = {"all": together, "j1": together, "j2": together}
+    entry = {"sources": {}, "together": "all", "jittered": ["j1", "j2"]}
+    row = budget(entry, sets, {}, np.zeros_like(logits), logits, ["a", "b", "c"], {})
+    assert row["floor"]["median"] == row["floor_parts"]["float32"]["max"] == 8 * 2.0**-20
+    assert row["floor_parts"]["jittered"]["max"] == 0.0 and row["within_floor"] == 2
+
+
 def test_flash_attention_rounds_an_f32_caches_k_and_v_to_f16() -> None:
     """llama-graph.cpp casts an f32 K and V to f16 for ggml_flash_attn_ext: an f32 KV cache
     with flash attention still has the f16 K/V source, without it not."""

@@ -7,6 +7,7 @@ input, computed four ways, against llama.cpp's captured output:
   mmq    CUDA's MMQ (9 tokens or more)
   tf32t  f32 and f16 weights: both operands cut to TF32's 10 mantissa bits (truncated)
   tf32r  the same, rounded to nearest (ties to even)
+  tf32a  the same, ties away from zero (as cvt.rna.tf32.f32)
   x16    the activations rounded to f16 (f16 weights' MMF and cuBLAS paths)
 and prints the largest difference relative to the output's largest value, per weight type
 and prompt length. An emulation that follows the kernel is at float32's level (about 1e-7);
@@ -48,6 +49,12 @@ MATMULS = [
 ]
 
 
+def tf32_away(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to TF32, ties away from zero."""
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64) + 0x1000
+    return (bits & 0xFFFFE000).astype(np.uint32).view(np.float32).astype(np.float64)
+
+
 def ways(model: ExactModel, x: np.ndarray, weight: str) -> dict[str, np.ndarray]:
     w = model.weights
     kind = w.type_of(weight).lower()
@@ -60,6 +67,7 @@ def ways(model: ExactModel, x: np.ndarray, weight: str) -> dict[str, np.ndarray]
     if kind in ("f32", "f16"):
         for name, nearest in (("tf32t", False), ("tf32r", True)):
             out[name] = cuda.tf32(x, nearest) @ cuda.tf32(w[weight], nearest).T
+        out["tf32a"] = tf32_away(x) @ tf32_away(w[weight]).T
         out["x16"] = x.astype(np.float16).astype(np.float64) @ w[weight].T
     if kind in cuda.EMULATED:
         for kernel in ("mmvq", "mmq"):
@@ -147,7 +155,7 @@ def main() -> None:
                         }
                         kind = model.weights.type_of(weight)
                         rows.append((target + flash, n, made, kind, errs))
-    names = ["plain", "cpu", "mmvq", "mmq", "tf32t", "tf32r", "x16"]
+    names = ["plain", "cpu", "mmvq", "mmq", "tf32t", "tf32r", "tf32a", "x16"]
     print(f"{'file':10} {'n':>3} {'output':12} {'type':5} " + " ".join(f"{k:>9}" for k in names))
     for target, n, made, kind, errs in rows:
         cells = " ".join(f"{errs[k]:9.2e}" if k in errs else f"{'':>9}" for k in names)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Produces this folder's captures on the lent NVIDIA H200 in one `device` call (about 8 min):
+# Produces this folder's captures on the lent NVIDIA H200 in one `device` call (about 5 min):
 #   run(command="bash docs/results/cuda-roundings/device.sh", carry=[".carry/llama-cpp-python-0.3.36.tgz", ".carry/whl"])
 # .carry/ is made here by docs/results/seed-long/carry.sh (the trimmed sdist; the wheels the
 # H200 lacks). It builds llama-cpp-python with CUDA only (4-5 min on 16 cores), then runs

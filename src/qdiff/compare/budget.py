@@ -10,7 +10,8 @@ step of every prompt (max |Δ| over the full vocabulary, per prompt):
   moved by about a float32 sum's error (``jittered``: where an input lies that close to a
   rounding boundary, llama.cpp's float32 value may round the other way) and (b) the run
   against itself in other ubatches (the serving stage's ``ubatch-n`` cases, on its prompts:
-  only the order of its float32 sums changes).
+  only the order of its float32 sums changes), and at least FLOAT32_LEVEL of the run's
+  largest logit (where no rounding lies near a tie, the jittered draws move nothing).
 
 If the emulation follows every rounding the run makes, the run is one more draw of what
 the jittered emulations are, so each prompt's residual is within its floor (the larger of
@@ -37,6 +38,11 @@ ALPHA = 0.01  # the test's level: "unexplained" is wrong once in a hundred faith
 # a floor of at least this share of the distance from exact leaves the test without power:
 # any emulation of about the right size passes it ("unresolved")
 RESOLUTION = 0.5
+# where no rounding lies near a tie, jittering moves nothing and the floor would be 0; the
+# run still differs from the emulation by the order of its float32 sums: about this much
+# of its largest logit (measured on CUDA: tiny models' first steps within 1.6e-06 of
+# logits of about 10, docs/results/cuda-roundings)
+FLOAT32_LEVEL = 2.0**-20
 
 
 def _spread(per_prompt: np.ndarray) -> dict[str, float]:
@@ -96,7 +102,8 @@ def budget(
     residual = _max_abs(together, logits)
     jitter = np.max([_max_abs(emulated[j], together) for j in plan["jittered"]], axis=0)
     run_floor = np.array([ubatch.get(p, 0.0) for p in prompt_ids])
-    floor = np.maximum(jitter, run_floor)
+    level = FLOAT32_LEVEL * np.abs(logits.astype(np.float64)).max(axis=1)
+    floor = np.maximum(np.maximum(jitter, run_floor), level)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(floor > 0, residual / floor, np.where(residual > 0, np.inf, 0.0))
     return {
@@ -110,6 +117,7 @@ def budget(
         "floor": _spread(floor),
         "floor_parts": {
             "jittered": _spread(jitter),
+            "float32": _spread(level),
             "ubatch": {p: ubatch[p] for p in prompt_ids if p in ubatch},
         },
         "ratio_median": float(np.median(ratio)),
@@ -145,8 +153,13 @@ def combination_budget(
     if ids != emulation["prompt_ids"]:
         return {"status": "n/a", "reason": "the run and the emulation have other prompts"}
     needed = [entry["together"], *entry["jittered"]] if "sources" in entry else []
-    if any(config not in emulated for config in needed):
-        return {"status": "n/a", "reason": "the emulation of these settings was not computed"}
+    missing = [config for config in needed if config not in emulated]
+    if missing:
+        why = emulation.get("not_emulated", {}).get(missing[0])
+        reason = (
+            f"not emulated: {why}" if why else "the emulation of these settings was not computed"
+        )
+        return {"status": "n/a", "reason": reason}
     ubatch = ubatch_floor(serving, record, bool(record["settings"].get("flash_attn")))
     return budget(entry, emulated, emulation["applies"], exact_first, logits, ids, ubatch)
 

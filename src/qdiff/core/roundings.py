@@ -27,6 +27,12 @@ class Roundings:
     # >0: the seed of a float32-sized perturbation of every rounding's input (``jittered``)
     jitter: int = 0
 
+    @property
+    def by_ubatch(self) -> bool:
+        """Whether the ubatch's size changes what these switches compute (CPU flash
+        attention's path, CUDA's kernels)."""
+        return self.flash_cpu or self.cuda_activations or self.cuda_tf32
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -76,8 +82,9 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     if kv not in ("f16", "f32"):
         raise NotEmulatedError(f"a {kv} KV cache is not emulated")
     flash = bool(settings.get("flash_attn"))
+    n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
     if backend == "cuda":
-        return _cuda_sources(dequant, kv, flash)
+        return _cuda_sources(dequant, kv, flash, n_ubatch)
     sources = {"gelu_table": Roundings(gelu_table=True)}
     if dequant == "none":
         sources["activations"] = Roundings(activations=True)
@@ -85,20 +92,20 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
         if flash:
-            n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
             sources["flash_cpu"] = Roundings(flash_cpu=True, n_ubatch=n_ubatch)
         else:
             sources["qp_f16"] = Roundings(qp_f16=True)
     return sources
 
 
-def _cuda_sources(dequant: str, kv: str, flash: bool) -> dict[str, Roundings]:
+def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str, Roundings]:
     """CUDA's sources on an H200 that the engine follows (qdiff.exact.cuda): the q8_1
     activations of the quantized file's matmuls, the TF32 products of f32 weights, and the
     f16 K/V (stored, or cast for flash attention); NOT_FOLLOWED lists the rest."""
-    sources = {"cuda_tf32": Roundings(cuda_tf32=True)}  # f32 weights, of a file or a copy
+    # f32 weights, of a file or a copy; the kernels by the size of each ubatch
+    sources = {"cuda_tf32": Roundings(cuda_tf32=True, n_ubatch=n_ubatch)}
     if dequant == "none":
-        sources["cuda_activations"] = Roundings(cuda_activations=True)
+        sources["cuda_activations"] = Roundings(cuda_activations=True, n_ubatch=n_ubatch)
     if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
     return sources
@@ -111,15 +118,15 @@ def together(sources: dict[str, Roundings]) -> Roundings:
         for f in fields(Roundings)
         if f.type == "bool"
     }
-    n_ubatch = max((r.n_ubatch for r in sources.values() if r.flash_cpu), default=512)
+    n_ubatch = max((r.n_ubatch for r in sources.values() if r.by_ubatch), default=512)
     return Roundings(**switched, n_ubatch=n_ubatch)
 
 
 def config_id(r: Roundings) -> str:
-    """A name for a set of switches, the same for equal sets (n_ubatch counts only with
-    flash attention), used as a key of the engine's outputs."""
+    """A name for a set of switches, the same for equal sets (n_ubatch counts only where
+    it changes what they compute), used as a key of the engine's outputs."""
     on = [f.name for f in fields(r) if f.type == "bool" and getattr(r, f.name)]
-    name = "+".join(on) + (f"@ub{r.n_ubatch}" if r.flash_cpu else "") if on else "exact"
+    name = "+".join(on) + (f"@ub{r.n_ubatch}" if r.by_ubatch else "") if on else "exact"
     return name + (f"~{r.jitter}" if r.jitter else "")
 
 

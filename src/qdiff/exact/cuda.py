@@ -48,6 +48,7 @@ USES_SUM = {
     "mmq": {"q4_1", "q5_1", "q4_k", "q5_k"},
 }
 EMULATED = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}
+FOLLOWED = EMULATED | {"f32"}  # the matmul weights whose CUDA kernels the engine follows
 # bytes per block of the types whose block fields are read (ggml-common.h): an fp16 d
 # first; q4_1 and q5_1 then an fp16 m; q4_K and q5_K an fp16 dmin and 12 bytes of scales
 BLOCK_BYTES = {"q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24, "q4_k": 144, "q5_k": 176}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from qdiff.core.gguffile import GGUFFile
-from qdiff.core.roundings import Roundings
+from qdiff.core.roundings import NotEmulatedError, Roundings
 from qdiff.exact import cuda, dequantize
 from qdiff.exact.architectures import read_hparams
 from qdiff.exact.cuda import BLOCK_BYTES
@@ -279,12 +279,14 @@ class ExactModel:
         weight's type when the ``activations`` switch is on, as CUDA's kernels do when
         ``cuda_activations`` is (quantized weights) or ``cuda_tf32`` (f32 weights)."""
         bias = bias or name.removesuffix("weight") + "bias"
-        kind = self.weights.type_of(name)
-        if self._roundings.cuda_activations and kind.lower() in cuda.EMULATED:
+        kind, r = self.weights.type_of(name), self._roundings
+        if (r.cuda_activations or r.cuda_tf32) and kind.lower() not in cuda.FOLLOWED:
+            raise NotEmulatedError(f"CUDA's matmuls of {kind} weights")
+        if r.cuda_activations and kind.lower() in cuda.EMULATED:
             y = self._cuda_linear(self.rounded(x, lambda v: v), name)
-        elif self._roundings.cuda_tf32 and kind == "f32":
+        elif r.cuda_tf32 and kind == "f32":
             y = self._cuda_f32_linear(self.rounded(x, lambda v: v), name)
-        elif not self._roundings.activations:
+        elif not r.activations:
             y = x @ self.weights[name].T
         else:
             x = self.rounded(x, lambda v: v)  # jittered once: both roundings below see it

@@ -93,14 +93,17 @@ def emulate(
     exact = ExactModel(model, n_ctx=context_of(teacher_run), layer_by_layer=layer_by_layer)
     exact.first_step_only = True  # as the runs' first step: the last logits of each prompt
     prompts = teacher_run["prompts"]
-    arrays = {}
+    arrays, not_emulated = {}, {}
     for name, values in configs.items():
         exact.roundings = Roundings.from_dict(values)
-        # in one expression (np.array copies the last rows): nothing of a set's hidden
-        # states outlives it into the next set's
-        arrays[name] = exact.logits(
-            np.array([h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])])
-        )
+        try:
+            # in one expression (np.array copies the last rows): nothing of a set's hidden
+            # states outlives it into the next set's
+            arrays[name] = exact.logits(
+                np.array([h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])])
+            )
+        except NotEmulatedError as exc:  # this set only (CUDA's switches before f16 weights)
+            not_emulated[name] = str(exc)
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
     record = {
         "prompt_ids": [p["id"] for p in prompts],
@@ -111,6 +114,7 @@ def emulate(
             "cuda_activations": bool({t.lower() for t in matmul_types} & cuda.EMULATED),
             "cuda_tf32": _has_f32_matrices(exact),
         },
+        "not_emulated": not_emulated,
         "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
         "peak_rss_mib": _peak_rss_mib(),
