@@ -18,12 +18,12 @@ import pytest
 
 from conftest import in_child, quantize_in_child
 from qdiff.compare.budget import combination_budget
-from qdiff.core.roundings import NotEmulatedError, Roundings, config_id, plan
+from qdiff.core.roundings import NotEmulatedError, Roundings, config_id, plan, sources_of
 from qdiff.core.settings import DeviceSettings
 from qdiff.exact import cuda
 from qdiff.exact.cuda import BLOCK_BYTES
 from qdiff.exact.model import ExactModel, _ubatch_sizes
-from qdiff.exact.reference import emulate
+from qdiff.exact.reference import _changes_anything, emulate
 from test_roundings import LAYER0, captured_layer0
 from tinymodel import write_tiny_llama
 
@@ -308,3 +308,22 @@ def test_weights_whose_cuda_kernel_is_not_followed_leave_that_budget_unmeasured(
 def test_cuda_sets_are_named_by_their_ubatch() -> None:
     assert config_id(Roundings(cuda_activations=True, n_ubatch=64)) == "cuda_activations@ub64"
     assert config_id(Roundings(kv_f16=True, n_ubatch=64)) == "kv_f16"
+
+
+def test_the_f32_copy_takes_cudas_f32_kernels_for_every_matmul(files: dict[str, Path]) -> None:
+    """A combination that runs a file's f32 copy multiplies every weight as f32 (MMVF, MMF or
+    cuBLAS by its rows), the file's values: ``f32_copy`` on the file's engine. Without it
+    the TF32 switch leaves a quantized file's matmuls alone, so it changes nothing there."""
+    cuda_f32 = DeviceSettings(backend="cuda").as_dict()
+    assert sources_of(cuda_f32, "f32")["cuda_tf32"].f32_copy
+    assert not sources_of(cuda_f32, "none")["cuda_tf32"].f32_copy
+    name, x = "blk.0.ffn_up.weight", np.random.default_rng(7).standard_normal((12, 256))
+    copy = ExactModel(files["q8_0"], Roundings(cuda_tf32=True, f32_copy=True))
+    w = copy.weights[name]
+    assert np.array_equal(copy.linear(x, name), cuda.f32_linear(x, w, 12))
+    assert not np.allclose(copy.linear(x, name), x @ w.T, rtol=0, atol=1e-7)
+    the_file = ExactModel(files["q8_0"], Roundings(cuda_tf32=True))
+    assert np.array_equal(the_file.linear(x, name), x @ w.T)
+    matmul_types = {t for t in copy.weights.types() if t != "f32"}
+    assert _changes_anything(copy.roundings, copy, matmul_types)
+    assert not _changes_anything(the_file.roundings, the_file, matmul_types)

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import in_child, quantize_in_child
 from qdiff import exact
-from qdiff.compare.budget import budget, verdict
+from qdiff.compare.budget import budget, ubatch_floor, verdict
 from qdiff.core.roundings import JITTER_SEEDS, Roundings, config_id, plan, sources_of
 from qdiff.core.settings import DeviceSettings
 from qdiff.exact.roundings import flash_rows_one_by_one, q8_0
@@ -194,6 +194,15 @@ def test_a_floor_is_at_least_float32s_level_of_the_largest_logit() -> None:
     row = budget(entry, sets, {}, np.zeros_like(logits), logits, ["a", "b", "c"], {})
     assert row["floor"]["median"] == row["floor_parts"]["float32"]["max"] == 8 * 2.0**-20
     assert row["floor_parts"]["jittered"]["max"] == 0.0 and row["within_floor"] == 2
+
+
+def test_another_ubatch_is_a_floor_on_the_cpu_and_not_on_cuda() -> None:
+    """On CUDA a smaller ubatch changes every matmul's kernel: not a floor."""
+    rows = [{"id": "a", "status": "ok", "max_abs_first_step": 0.003}]
+    serving = {"status": "ok", "cases": [{"kind": "ubatch", "prompts": rows}]}
+    run = {"prompts": [{"id": "a", "prompt_tokens": [1, 2, 3]}]}
+    assert ubatch_floor(serving, run | {"settings": {"backend": "cpu"}}) == {"a": 0.003}
+    assert ubatch_floor(serving, run | {"settings": {"backend": "cuda"}}) == {}
 
 
 def test_flash_attention_rounds_an_f32_caches_k_and_v_to_f16() -> None:

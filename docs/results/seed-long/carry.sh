@@ -21,7 +21,7 @@ C=.carry
 # downloads, apt's own lists and staging: kept between runs, outside what travels
 W=${QDIFF_CARRY_WORK:-/tmp/qdiff-carry}
 LIMIT=67108864 # 64 MiB: the working tree plus the carried paths, per device call
-SPARE=3000000  # left free, so that a few new commits do not break a planned call
+SPARE=1000000  # left free, so that a few new commits do not break a planned call
 
 if ! { [ -e .git ] && [ -f docs/results/seed-long/device.sh ]; }; then
     echo "carry.sh: run it from the repository's root" >&2

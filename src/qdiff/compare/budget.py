@@ -53,15 +53,17 @@ def _max_abs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(a.astype(np.float64) - b.astype(np.float64)).max(axis=1)
 
 
-def ubatch_floor(
-    serving: dict[str, Any] | None, run: dict[str, Any], flash_attn: bool
-) -> dict[str, float]:
+def ubatch_floor(serving: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, float]:
     """The largest first-step change of the run when only its ubatch size changes, per
     serving prompt (none without such a case). With CPU flash attention, a prompt of at
     least FA_TILE_Q tokens takes another path in smaller ubatches (qdiff.exact.roundings),
-    which changes roundings and not only the order of sums: such prompts are left out."""
-    if serving is None or serving.get("status") != "ok":
+    which changes roundings and not only the order of sums: such prompts are left out. On
+    CUDA every matmul's kernel follows the ubatch's size (MMVQ or MMQ, MMF or cuBLAS:
+    qdiff.exact.cuda), so another ubatch is another rounding, never a floor: none."""
+    settings = run["settings"]
+    if serving is None or serving.get("status") != "ok" or settings["backend"] == "cuda":
         return {}
+    flash_attn = bool(settings.get("flash_attn"))
     lengths = {p["id"]: len(p["prompt_tokens"]) for p in run["prompts"]}
     by_prompt: dict[str, float] = {}
     for case in serving["cases"]:
@@ -87,12 +89,12 @@ def budget(
 ) -> dict[str, Any]:
     """One combination's budget (see the module's docstring); ``plan`` is its entry of
     qdiff.exact.roundings.plan, ``emulated`` the engine's first steps by set id, ``applies``
-    which sources can change anything for this model, ``ubatch`` the run's floor by prompt."""
+    which of those sets can change anything for this model, ``ubatch`` the run's floor by prompt."""
     if "not_emulated" in plan:
         return {"status": "n/a", "reason": plan["not_emulated"]}
     sources = []
     for name, config in plan["sources"].items():
-        if not applies.get(name, True):
+        if not applies.get(config, True):
             continue
         sources.append(
             {"name": name, "label": SOURCE_LABELS[name]}
@@ -160,7 +162,7 @@ def combination_budget(
             f"not emulated: {why}" if why else "the emulation of these settings was not computed"
         )
         return {"status": "n/a", "reason": reason}
-    ubatch = ubatch_floor(serving, record, bool(record["settings"].get("flash_attn")))
+    ubatch = ubatch_floor(serving, record)
     return budget(entry, emulated, emulation["applies"], exact_first, logits, ids, ubatch)
 
 

@@ -23,6 +23,9 @@ class Roundings:
     gelu_table: bool = False
     cuda_activations: bool = False
     cuda_tf32: bool = False
+    # the f32 copy's weights: every matmul weight is f32 (the file's values), so it takes
+    # the f32 kernels (on CUDA: MMVF, MMF or cuBLAS), not the file's type's
+    f32_copy: bool = False
     n_ubatch: int = 512  # decides which rows take flash attention's one-row path
     # >0: the seed of a float32-sized perturbation of every rounding's input (``jittered``)
     jitter: int = 0
@@ -102,8 +105,10 @@ def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str
     """CUDA's sources on an H200 that the engine follows (qdiff.exact.cuda): the q8_1
     activations of the quantized file's matmuls, the TF32 products of f32 weights, and the
     f16 K/V (stored, or cast for flash attention); NOT_FOLLOWED lists the rest."""
-    # f32 weights, of a file or a copy; the kernels by the size of each ubatch
-    sources = {"cuda_tf32": Roundings(cuda_tf32=True, n_ubatch=n_ubatch)}
+    # f32 weights, of the file or, every one of them, of its f32 copy; the kernels by the
+    # size of each ubatch
+    tf32 = Roundings(cuda_tf32=True, f32_copy=dequant == "f32", n_ubatch=n_ubatch)
+    sources = {"cuda_tf32": tf32}
     if dequant == "none":
         sources["cuda_activations"] = Roundings(cuda_activations=True, n_ubatch=n_ubatch)
     if kv == "f16" or flash:

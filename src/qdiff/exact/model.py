@@ -279,7 +279,8 @@ class ExactModel:
         weight's type when the ``activations`` switch is on, as CUDA's kernels do when
         ``cuda_activations`` is (quantized weights) or ``cuda_tf32`` (f32 weights)."""
         bias = bias or name.removesuffix("weight") + "bias"
-        kind, r = self.weights.type_of(name), self._roundings
+        r = self._roundings
+        kind = "f32" if r.f32_copy else self.weights.type_of(name)
         if (r.cuda_activations or r.cuda_tf32) and kind.lower() not in cuda.FOLLOWED:
             raise NotEmulatedError(f"CUDA's matmuls of {kind} weights")
         if r.cuda_activations and kind.lower() in cuda.EMULATED:

@@ -84,9 +84,9 @@ def emulate(
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The first step of every prompt with each set of llama.cpp's rounding sources
     (``configs``: a name -> Roundings fields; qdiff.exact.roundings) switched on in the
-    float64 engine: one array of full-vocabulary logits per name. The record says which
-    sources can change anything for this model: the GELU table only where it uses GELU,
-    the activations' rounding only before weights that are not f32."""
+    float64 engine: one array of full-vocabulary logits per name (a set the engine cannot
+    follow for this model's weights is left out, ``not_emulated`` says why). The record
+    says which sets can change anything for this model (``applies``: _changes_anything)."""
     import time
 
     start = time.perf_counter()
@@ -109,10 +109,8 @@ def emulate(
         "prompt_ids": [p["id"] for p in prompts],
         "configs": configs,
         "applies": {
-            "gelu_table": exact.hp.arch.activation == "gelu",
-            "activations": bool(matmul_types),
-            "cuda_activations": bool({t.lower() for t in matmul_types} & cuda.EMULATED),
-            "cuda_tf32": _has_f32_matrices(exact),
+            name: _changes_anything(Roundings.from_dict(values), exact, matmul_types)
+            for name, values in configs.items()
         },
         "not_emulated": not_emulated,
         "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
@@ -121,6 +119,22 @@ def emulate(
         "layer_by_layer": layer_by_layer,
     }
     return record, arrays
+
+
+def _changes_anything(r: Roundings, exact: ExactModel, matmul_types: set[str]) -> bool:
+    """Whether a set of switches can change anything for this model: the GELU table only
+    where it uses GELU, the activations' rounding only before weights that are not f32,
+    CUDA's f32 kernels only where a matmul has f32 weights (every one in the f32 copy)."""
+    quantized = {t.lower() for t in matmul_types}
+    return (
+        r.kv_f16
+        or r.qp_f16
+        or r.flash_cpu
+        or (r.gelu_table and exact.hp.arch.activation == "gelu")
+        or (r.activations and bool(quantized))
+        or (r.cuda_activations and bool(quantized & cuda.EMULATED))
+        or (r.cuda_tf32 and (r.f32_copy or _has_f32_matrices(exact)))
+    )
 
 
 def _has_f32_matrices(exact: ExactModel) -> bool:
