@@ -105,11 +105,12 @@ def emulate(
         except NotEmulatedError as exc:  # this set only (CUDA's switches before f16 weights)
             not_emulated[name] = str(exc)
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
+    has_f32 = _has_f32_matrices(exact)
     record = {
         "prompt_ids": [p["id"] for p in prompts],
         "configs": configs,
         "applies": {
-            name: _changes_anything(Roundings.from_dict(values), exact, matmul_types)
+            name: _changes_anything(Roundings.from_dict(values), exact, matmul_types, has_f32)
             for name, values in configs.items()
         },
         "not_emulated": not_emulated,
@@ -121,10 +122,13 @@ def emulate(
     return record, arrays
 
 
-def _changes_anything(r: Roundings, exact: ExactModel, matmul_types: set[str]) -> bool:
+def _changes_anything(
+    r: Roundings, exact: ExactModel, matmul_types: set[str], has_f32: bool
+) -> bool:
     """Whether a set of switches can change anything for this model: the GELU table only
     where it uses GELU, the activations' rounding only before weights that are not f32,
-    CUDA's f32 kernels only where a matmul has f32 weights (every one in the f32 copy)."""
+    CUDA's f32 kernels only where a matmul has f32 weights (``has_f32``; every one in the
+    f32 copy)."""
     quantized = {t.lower() for t in matmul_types}
     return (
         r.kv_f16
@@ -133,7 +137,7 @@ def _changes_anything(r: Roundings, exact: ExactModel, matmul_types: set[str]) -
         or (r.gelu_table and exact.hp.arch.activation == "gelu")
         or (r.activations and bool(quantized))
         or (r.cuda_activations and bool(quantized & cuda.EMULATED))
-        or (r.cuda_tf32 and (r.f32_copy or _has_f32_matrices(exact)))
+        or (r.cuda_tf32 and (r.f32_copy or has_f32))
     )
 
 
