@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import zipfile
@@ -225,6 +226,34 @@ def test_teacher_forcing_settings_rerun_only_the_forced_passes(
     assert by_rule(ws.planned_jobs()) == Counter(
         compare_model=2, localise_model=2, report=1, exact_reference=2, distance_from_exact=2
     )
+
+
+def test_forcing_fewer_tokens_than_generated_cuts_every_forced_text_alike(
+    finished: Workspace, tmp_path: Path
+) -> None:
+    """teacher_forcing.n_tokens: the forced passes and the exact reference follow the first
+    tokens of the teacher's texts, the same positions on every side; the runs stay."""
+    ws = finished.copy_to(tmp_path / "ws")
+    config = ws.read_config()
+    config["teacher_forcing"] = {"n_tokens": 3}
+    ws.write_config(config)
+    assert "run_combination" not in by_rule(ws.planned_jobs())
+    ws.snakemake()
+    for model in ("tiny", "tiny.requant-q8_0"):
+        teacher = json.loads((ws.root / f"results/runs/{model}/cpu/f32/record.json").read_text())
+        assert all(len(p["tokens"]) == 8 for p in teacher["prompts"])  # generated 8
+        for device, dequant in itertools.product(("cpu", "cpu-fa"), ("none", "f32")):
+            forced = json.loads(
+                (ws.root / f"results/forced/{model}/{device}/{dequant}/record.json").read_text()
+            )
+            assert forced["status"] == "ok" and forced["forced_tokens"] == 3
+            assert forced["n_positions"] == 6, (model, device, dequant)
+        exact = json.loads((ws.root / f"results/exact/{model}/record.json").read_text())
+        assert exact["status"] == "ok" and exact["n_positions"] == 6
+        distance = json.loads((ws.root / f"results/exact/{model}/distance.json").read_text())
+        assert all(r["forced"]["n_positions"] == 6 for r in distance["rows"])
+    text = (ws.root / "results/summary.md").read_text()
+    assert "the first 3 tokens of each of its texts (6 positions over 2 prompts)" in text
 
 
 def test_the_summary_page_embeds_the_report_and_its_plots(finished: Workspace) -> None:

@@ -25,6 +25,7 @@ rule exact_reference:
         runtime=120,
     params:
         top_k=EXPERIMENT.teacher_forcing["top_k"],
+        n_tokens=EXPERIMENT.teacher_forcing["n_tokens"],  # of the teacher's text, as forced
         code=CODE["exact_reference"],
         retry_token=exact_retry_token,
     script:

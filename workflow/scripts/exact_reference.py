@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qdiff import jobs
 from qdiff.core import records
+from qdiff.core.forced import forced_text
 from qdiff.core.io import load_arrays, read_json, write_json
 from qdiff.core.labels import Combination
 from qdiff.core.text import as_run
@@ -39,7 +40,10 @@ def body(job: jobs.Job) -> None:
         teacher, run = teacher_text()
         forced_data, forced = Path(i.text_data), teacher
     else:
-        teacher = run = read_json(Path(i.teacher_run))
+        # the teacher's text as the forced passes read it (teacher_forcing.n_tokens)
+        teacher = run = forced_text(
+            read_json(Path(i.teacher_run)), snakemake.params.get("n_tokens")
+        )
         forced_data = Path(i.teacher_data) if forcing else None
         forced = read_json(Path(i.teacher_record)) if forcing else None
     inputs = ExactInputs(

@@ -46,13 +46,19 @@ LINES = {
 }
 
 
-def llama_perplexity_stats(log: str) -> dict[str, float]:
-    found = {}
+def llama_perplexity_stats(log: str) -> dict[str, tuple[float, float | None]]:
+    """Each statistic llama-perplexity printed, with its uncertainty where it prints one
+    (``value ± error``)."""
+    found: dict[str, tuple[float, float | None]] = {}
     for label in LINES:
-        m = re.search(re.escape(label) + r"\s*:\s*(-?[0-9.]+)", log)
+        m = re.search(re.escape(label) + r"\s*:\s*(-?[0-9.]+)(?:\s*±\s*([0-9.]+))?", log)
         if m:
-            found[label] = float(m.group(1))
+            found[label] = (float(m.group(1)), float(m.group(2)) if m.group(2) else None)
     return found
+
+
+def _pm(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3g}"
 
 
 def read_base(path: Path) -> tuple[np.ndarray, np.ndarray, int]:
@@ -160,13 +166,22 @@ def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
         "from the llama.cpp source llama-cpp-python 0.3.36 vendors (`validate.sh`). qdiff's KLD "
         f"is over the teacher's top {text['top_k']} tokens and one bucket for the rest.\n"
     )
-    print("| statistic | llama-perplexity | qdiff | qdiff − llama-perplexity |")
-    print("|---|---|---|---|")
-    for label, value in theirs.items():
+    print(
+        "| statistic | llama-perplexity | ± | qdiff | ± | qdiff − llama-perplexity "
+        "| ± ratio (qdiff / llama-perplexity) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label, (value, error) in theirs.items():
         key, index, scale = LINES[label]
         mine = ours[key] if index is None else ours[key][index]
+        # qdiff keeps [mean, uncertainty] for the means; percentiles have none
+        my_error = ours[key][1] * scale if index == 0 else None
         mine = mine * scale
-        print(f"| {label.strip()} | {value:.6g} | {mine:.6g} | {mine - value:+.3g} |")
+        ratio = f"{my_error / error:.3f}" if error and my_error is not None else "–"
+        print(
+            f"| {label.strip()} | {value:.6g} | {_pm(error)} | {mine:.6g} | {_pm(my_error)} "
+            f"| {mine - value:+.3g} | {ratio} |"
+        )
     tokens, logp, n_ctx = read_base(Path(base_path))
     base = load_arrays(work / "results/text" / model / "cpu/f32/text.npz")
     ours_tokens = base["window_tokens"]
@@ -185,7 +200,7 @@ def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
         f"**{full['bit_identical']}**): mean KLD {full['mean']:.6f}, median "
         f"{full['median']:.6f}, maximum {full['max']:.6f}. qdiff's bound over "
         f"{text['top_k']} tokens and a bucket is {ours['kld'][0] / full['mean']:.4f} of the "
-        f"mean; llama-perplexity's {theirs['Mean    KLD'] / full['mean']:.4f}. The same bound "
+        f"mean; llama-perplexity's {theirs['Mean    KLD'][0] / full['mean']:.4f}. The same bound "
         "with other numbers of tokens kept (the base's own top k, from these logits): "
         + ", ".join(f"{k}: {share:.4f}" for k, share in full["bound_share"].items())
         + "."
@@ -201,7 +216,7 @@ def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
         f"floor: its NLL there is understated by up to {gap[floor].max(initial=0):.3f} nat. "
         "qdiff's PPL(base) with the same understatement: "
         f"{ours['ppl_base'][0] * np.exp(-(stored - base['forced_logprob'])[floor].sum() / floor.size):.4f} "
-        f"(llama-perplexity's: {theirs['Mean PPL(base)']:.4f})."
+        f"(llama-perplexity's: {theirs['Mean PPL(base)'][0]:.4f})."
     )
 
 

@@ -95,7 +95,7 @@ class Experiment:
     run_timeout_s: float
     repeats: int = 1
     reference: str | None = None  # "device.dequant" the report measures everything against
-    teacher_forcing: dict[str, Any] | None = None  # {"enabled": bool, "top_k": int}
+    teacher_forcing: dict[str, Any] | None = None  # {"enabled", "top_k", "n_tokens"}
     capture: dict[str, Any] | None = None  # {"enabled", "prompts", "tensors", "pairs"}
     serving: dict[str, Any] | None = None  # qdiff.core.serving; {"enabled", "prompts", ...}
     text: dict[str, Any] | None = None  # qdiff.core.text; {"enabled", "file", "n_ctx", ...}
@@ -208,10 +208,11 @@ class Experiment:
         spec = {k: v for k, v in self._run_spec(combo).items() if k != "repeats"}
         assert self.teacher_forcing is not None
         teacher = self.teacher(combo.model)
-        return {
-            **spec,
-            "forcing": {"teacher": teacher.label, "top_k": self.teacher_forcing["top_k"]},
-        }
+        forcing = {"teacher": teacher.label, "top_k": self.teacher_forcing["top_k"]}
+        # only when set, so that existing forced passes keep their params (and their cache)
+        if self.teacher_forcing["n_tokens"] is not None:
+            forcing["n_tokens"] = self.teacher_forcing["n_tokens"]
+        return {**spec, "forcing": forcing}
 
     def _capture_spec(self, combo: Combination) -> dict[str, Any]:
         """The run's spec, minus repeats, plus what to capture; one forward pass per prompt,

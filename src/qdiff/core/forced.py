@@ -37,6 +37,13 @@ ARRAY_NAMES = (
 )
 
 
+def forced_text(run: Mapping[str, Any], n_tokens: int | None) -> dict[str, Any]:
+    """The teacher's run record as teacher forcing reads it: each prompt's greedy tokens cut
+    to their first ``n_tokens`` (``teacher_forcing.n_tokens``; None keeps them all), so that
+    long free-running generations need not be forced, nor followed exactly, to their end."""
+    return {**run, "prompts": [{**p, "tokens": p["tokens"][:n_tokens]} for p in run["prompts"]]}
+
+
 DIGEST_ALGORITHM = "sha256/8"  # what ``digest`` computes: SHA-256, its first 8 bytes
 # data without a name (qdiff before 0e63b0a): blake2b/8 before 4db477c, sha256/8 after, which
 # the data cannot tell apart; it is compared only with other data without a name

@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 
 from qdiff.core import records
-from qdiff.core.forced import DIGEST_ALGORITHM, ForcedRecorder, digest, same_digest_algorithm
+from qdiff.core.forced import (
+    DIGEST_ALGORITHM,
+    ForcedRecorder,
+    digest,
+    forced_text,
+    same_digest_algorithm,
+)
 from qdiff.core.io import load_arrays, read_json, save_array, save_arrays, write_json
 from qdiff.core.serving import Case
 from qdiff.core.settings import DeviceSettings
@@ -202,7 +208,7 @@ def _teacher(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray
     """The teacher's run record and, on every other combination, the teacher's own forced
     arrays (whose slice ids everyone uses); WorkerFailure when the teacher did not run."""
     inputs, teacher = spec["inputs"], spec["forcing"]["teacher"]
-    run = read_json(Path(inputs["teacher_run"]))
+    run = forced_text(read_json(Path(inputs["teacher_run"])), spec["forcing"].get("n_tokens"))
     forced = read_json(Path(inputs["teacher_record"])) if "teacher_record" in inputs else None
     for what, rec in (("run", run), ("teacher-forced pass", forced)):
         if rec is not None and rec["status"] != "ok":
@@ -256,6 +262,7 @@ def force(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
     record = {
         **records.record_head(spec, "ok", FORCED.name),
         "teacher": spec["forcing"]["teacher"],
+        "forced_tokens": spec["forcing"].get("n_tokens"),  # of each teacher text; None: all
         "top_k": int(top_k),
         "prompt_ids": [p["id"] for p in prompts],
         "n_positions": positions,

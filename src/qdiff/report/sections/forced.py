@@ -13,12 +13,16 @@ from qdiff.report.fmt import code, count, num, piece, table, text
 from qdiff.report.view import ModelView
 
 
-def _legend(teacher: str, n_positions: int, n_prompts: int, top_k: int) -> str:
+def _legend(head: dict[str, Any]) -> str:
+    cut = head.get("forced_tokens")  # teacher_forcing.n_tokens
     return (
-        f"Every combination was fed the greedy output of `{teacher}` token by token "
-        f"({n_positions} positions over {n_prompts} prompts), so the logits compare at every "
-        "generated position, not only the first. Per position qdiff keeps the logits of the "
-        f"teacher's {top_k} most likely tokens (**max \\|Δ\\|** is over those), each side's "
+        f"Every combination was fed the greedy output of `{head['teacher']}` token by token"
+        + (f", the first {cut} tokens of each of its texts" if cut else "")
+        + f" ({head['n_positions']} positions over {len(head['prompt_ids'])} prompts), so the "
+        "logits compare at every "
+        + ("forced" if cut else "generated")
+        + " position, not only the first. Per position qdiff keeps the logits of the "
+        f"teacher's {head['top_k']} most likely tokens (**max \\|Δ\\|** is over those), each side's "
         "exact top-2, and the full log-sum-exp (**KL** is KL(a‖b) over those tokens plus one "
         "bucket for the rest, a lower bound of the full KL). A **fork** is a position whose "
         "top-1 tokens differ; its **margin** is the larger of the two sides' lead of their own "
@@ -42,7 +46,7 @@ def section(view: ModelView) -> str:
         )
     head = ok[0]
     parts = [
-        _legend(head["teacher"], head["n_positions"], len(head["prompt_ids"]), head["top_k"]),
+        _legend(head),
         _self_checks(ok),
         table([_pair_row(p) for p in sorted(good, key=lambda p: -p["forced"]["max_abs"])]),
         _fork_sites(good),
