@@ -52,7 +52,8 @@ def test_shipped_config_is_valid_and_expands() -> None:
     assert exp.dequant == ("none", "f32")
     assert len(exp.all_combinations()) == 3 * 2 * 2  # the source file itself does not run
     assert len(exp.pairs("gemma-3-270m-q4_k_m")) == 6
-    assert len(exp.prompts) >= 8 and exp.generation["n_tokens"] == 20
+    assert len(exp.prompts) >= 8 and exp.generation["n_tokens"] == 64
+    assert exp.teacher_forcing is not None and exp.teacher_forcing["n_tokens"] == 20
 
 
 def test_the_writeup_config_is_valid_and_expands() -> None:
