@@ -153,19 +153,8 @@ def _same_tokens(ours: np.ndarray, theirs: np.ndarray, bos: int | None) -> tuple
     )
 
 
-def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
-    work = Path(workdir)
-    theirs = llama_perplexity_stats(Path(log_path).read_text())
-    text = json.loads((work / f"results/compare/{model}.text.json").read_text())
-    ours = text["pairs"]["cpu.f32 vs cpu.none"]  # the f32 copy, the teacher, as the base
-    print("# qdiff's text statistics against llama-perplexity's\n")
-    print(
-        f"`{model}.gguf` (Q) against its f32 copy (base), {text['n_windows']} windows "
-        f"of {text['n_ctx']} tokens of Macbeth ({ours['n']:,} positions scored), on one CPU "
-        "device (2 threads, no flash attention, no repacked weights). llama-perplexity built "
-        "from the llama.cpp source llama-cpp-python 0.3.36 vendors (`validate.sh`). qdiff's KLD "
-        f"is over the teacher's top {text['top_k']} tokens and one bucket for the rest.\n"
-    )
+def _print_table(theirs: dict, ours: dict) -> None:
+    """One row per llama-perplexity statistic: its value and ± beside qdiff's."""
     print(
         "| statistic | llama-perplexity | ± | qdiff | ± | qdiff − llama-perplexity "
         "| ± ratio (qdiff / llama-perplexity) |"
@@ -182,6 +171,22 @@ def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
             f"| {label.strip()} | {value:.6g} | {_pm(error)} | {mine:.6g} | {_pm(my_error)} "
             f"| {mine - value:+.3g} | {ratio} |"
         )
+
+
+def main(log_path: str, base_path: str, workdir: str, model: str) -> None:
+    work = Path(workdir)
+    theirs = llama_perplexity_stats(Path(log_path).read_text())
+    text = json.loads((work / f"results/compare/{model}.text.json").read_text())
+    ours = text["pairs"]["cpu.f32 vs cpu.none"]  # the f32 copy, the teacher, as the base
+    print("# qdiff's text statistics against llama-perplexity's\n")
+    print(
+        f"`{model}.gguf` (Q) against its f32 copy (base), {text['n_windows']} windows "
+        f"of {text['n_ctx']} tokens of Macbeth ({ours['n']:,} positions scored), on one CPU "
+        "device (2 threads, no flash attention, no repacked weights). llama-perplexity built "
+        "from the llama.cpp source llama-cpp-python 0.3.36 vendors (`validate.sh`). qdiff's KLD "
+        f"is over the teacher's top {text['top_k']} tokens and one bucket for the rest.\n"
+    )
+    _print_table(theirs, ours)
     tokens, logp, n_ctx = read_base(Path(base_path))
     base = load_arrays(work / "results/text" / model / "cpu/f32/text.npz")
     ours_tokens = base["window_tokens"]
