@@ -4,12 +4,16 @@
   by capture.py there): every matmul of layer 0 of tiny models of eight quantized types
   and f32, prompts of 1, 5, 12 and 40 tokens, equals the engine's emulation of its kernel
   to float32's level, and the other kernel's emulation does not.
+- Attention without flash attention (``cuda_attention``), against the H200's tensors of
+  prompts in one-token ubatches (docs/results/cuda-roundings/h200-ub1): softmax·V as MMVF's
+  f16 products and per-thread f16 sums, and whole first steps at float32's level.
 - The weights read as the kernels read them, the engine's vectorised form against each
   kernel's per-block formula as the source writes it, and the cases where a CUDA kernel's
   arithmetic is the CPU's, against llama.cpp's own CPU tensors."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -18,11 +22,18 @@ import pytest
 
 from conftest import in_child, quantize_in_child
 from qdiff.compare.budget import combination_budget
-from qdiff.core.roundings import NotEmulatedError, Roundings, config_id, plan, sources_of
+from qdiff.core.roundings import (
+    NotEmulatedError,
+    Roundings,
+    config_id,
+    plan,
+    sources_of,
+    together,
+)
 from qdiff.core.settings import DeviceSettings
 from qdiff.exact import cuda
 from qdiff.exact.cuda import BLOCK_BYTES
-from qdiff.exact.model import ExactModel, _ubatch_sizes
+from qdiff.exact.model import ExactModel, _ubatch_sizes, rms_norm
 from qdiff.exact.reference import _changes_anything, emulate
 from test_roundings import LAYER0, captured_layer0
 from tinymodel import write_tiny_llama
@@ -327,3 +338,131 @@ def test_the_f32_copy_takes_cudas_f32_kernels_for_every_matmul(files: dict[str, 
     matmul_types = {t for t in copy.weights.types() if t != "f32"}
     assert _changes_anything(copy.roundings, copy, matmul_types, has_f32=False)
     assert not _changes_anything(the_file.roundings, the_file, matmul_types, has_f32=False)
+
+
+# Attention without flash attention (cuda.ATTENTION_KERNELS), against the H200's tensors of
+# prompts computed in one-token ubatches (docs/results/cuda-roundings/h200-ub1: layer 0 at
+# the last of 5, 40 and 600 tokens, and first steps)
+H200_UB1 = H200.parent / "h200-ub1"
+
+
+def _relative(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+def test_one_token_matmuls_of_f16_weights_round_every_product_to_f16(
+    tmp_path: Path, files: dict[str, Path]
+) -> None:
+    """MMVF with f16 accumulators (an f16 weight, one token, the default precision): the
+    activations and every product rounded to f16, the products summed in float32. Neither
+    plain float32 products nor f16 activations alone come near."""
+    path = tmp_path / "f16.gguf"
+    quantize_in_child(files["f32"], path, "f16")
+    captured = dict(line.split("\t") for line in (H200 / "files.tsv").read_text().splitlines())
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == captured["f16"]
+    model, tensors = ExactModel(path), np.load(H200 / "f16-1.npz")
+    for given, made, weight in LAYER0 + MORE:
+        x, theirs = tensors[given].astype(np.float64), tensors[made].astype(np.float64)
+        w = model.weights[weight]
+        ours = cuda.mmvf_weighted_sum(x[None, None], w.T[None], len(x))[0, 0]
+        assert _relative(ours, theirs) < 1e-6, weight
+        for other in (w @ x, w @ x.astype(np.float16).astype(np.float64)):
+            assert _relative(other, theirs) > 1e-4, weight
+
+
+def _values_of_layer0(model: ExactModel, tokens: np.ndarray) -> np.ndarray:
+    """V of every position of layer 0, computed in one-token ubatches, as the f16 cache
+    keeps it, expanded to the query heads: (heads, positions, d)."""
+    model.roundings = Roundings(cuda_activations=True, n_ubatch=1)
+    model.row_tokens = np.ones(len(tokens), dtype=int)
+    w, hp = model.weights, model.hp
+    x = rms_norm(w["token_embd.weight"][tokens], w["blk.0.attn_norm.weight"], hp.eps)
+    v = model._qkv(x, 0)[2].astype(np.float16).astype(np.float64)
+    return v[:, np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)].transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("n", [5, 40, 600])
+def test_one_token_softmax_v_is_mmvfs_f16_products_on_h200_tensors(
+    files: dict[str, Path], n: int
+) -> None:
+    """softmax·V at the last of n tokens, each in its own ubatch, from the run's own softmax
+    weights: equal to MMVF's f16 products summed in float32; with 768 KV cells (600
+    tokens) each thread sums two products in f16 first, and only that matches. Q6_K: its
+    V is integer products, exact in float64, so no stored value rounds the other way."""
+    model = ExactModel(files["q6_k"])
+    tensors = np.load(H200_UB1 / f"q6_k-ub1-{n}.npz")
+    v = _values_of_layer0(model, tensors["tokens"])
+    heads = model.hp.n_head
+    cells = len(tensors["kq_soft_max-0"]) // heads
+    assert cells == cuda.kv_cells(np.array([n - 1]))[0]
+    p = tensors["kq_soft_max-0"].reshape(heads, cells)[:, :n].astype(np.float64)
+    theirs = tensors["kqv-0"].reshape(heads, -1).astype(np.float64)
+    ours = cuda.mmvf_weighted_sum(p[:, None], v, cells)[:, 0]
+    f16 = p.astype(np.float16).astype(np.float64)
+    one_pass = (f16[..., None] * v).astype(np.float16).astype(np.float64).sum(axis=1)
+    assert _relative(ours, theirs) < 1e-6
+    assert _relative(np.einsum("hn,hnd->hd", f16, v), theirs) > 5e-5  # MMF's, the CPU's
+    assert (_relative(one_pass, theirs) > 5e-5) == (cells > cuda.MMVF_MAX_KV_CELLS)
+
+
+def test_mmvf_threads_and_their_f16_sums_are_the_sources() -> None:
+    """launch_mul_mat_vec_f_cuda's block size, and each thread's half2 sums over every
+    block-size-th pair of cells, as the kernel's loop writes them (one value at a time)."""
+    assert [cuda.mmvf_block_size(c) for c in (256, 512, 768, 1024)] == [128, 256, 192, 256]
+    rng = np.random.default_rng(3)
+    cells, keys, d = 768, 700, 4
+    p = rng.dirichlet(np.ones(keys), size=(1, 2))  # (heads 1, rows 2, keys)
+    v = rng.standard_normal((1, keys, d)).astype(np.float16).astype(np.float64)
+    size = cuda.mmvf_block_size(cells)
+    expected = np.zeros((2, d))
+    for row in range(2):
+        for thread in range(size):
+            acc = np.zeros((2, d))  # the half2 accumulator: low and high cell of each pair
+            for col2 in range(thread, cells // 2, size):
+                for half in (0, 1):
+                    cell = 2 * col2 + half
+                    if cell < keys:
+                        product = np.float16(p[0, row, cell]).astype(np.float64) * v[0, cell]
+                        acc[half] = (acc[half] + product).astype(np.float16)
+            expected[row] += acc.sum(axis=0)
+    ours = cuda.mmvf_weighted_sum(p, v, cells)[0]
+    assert np.abs(ours - expected).max() < 1e-12
+
+
+def test_attention_rows_take_the_kernels_of_their_ubatch(files: dict[str, Path]) -> None:
+    """With ``cuda_attention``, a prompt of 5 tokens in one ubatch takes MMF (the CPU's f16
+    Q and softmax weights, to the bit); the same prompt in one-token ubatches takes MMVF;
+    a prompt of 40, cuBLAS (Q rounded to TF32)."""
+    tokens = list(range(3, 8))
+    mmf = ExactModel(files["q8_0"], Roundings(cuda_attention=True, kv_f16=True))
+    cpu = ExactModel(files["q8_0"], Roundings(qp_f16=True, kv_f16=True))
+    assert np.array_equal(mmf.forward(tokens, slice(None)), cpu.forward(tokens, slice(None)))
+    one = ExactModel(files["q8_0"], Roundings(cuda_attention=True, kv_f16=True, n_ubatch=1))
+    assert not np.allclose(one.forward(tokens, slice(None)), cpu.forward(tokens, slice(None)))
+    assert [cuda.attention_kernel(t) for t in (1, 2, 16, 17)] == ["mmvf", "mmf", "mmf", "cublas"]
+
+
+@pytest.mark.parametrize("target", ["q8_0", "q4_1", "q5_k_m", "q6_k"])
+def test_first_steps_in_one_token_ubatches_are_the_h200s_to_float32s_level(
+    files: dict[str, Path], target: str
+) -> None:
+    """Prompts of 3 and 5 tokens in one-token ubatches (MMVQ, and attention's MMVF): the
+    sources the pipeline plans for such a device are within 1e-5 of the H200's logits at
+    the median prompt; the matmuls' and the f16 cache's alone, as before attention was
+    followed, are 0.01 or more away."""
+    runs = np.load(H200_UB1 / f"{target}-logits-ub1.npz")
+    model = ExactModel(files[target])
+    model.first_step_only = True
+    planned = together(sources_of(DeviceSettings(backend="cuda", n_ubatch=1).as_dict(), "none"))
+    assert planned.cuda_attention and planned.n_ubatch == 1
+    matmuls = dataclasses.replace(planned, cuda_attention=False)
+    for n in (3, 5):
+        keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
+        prompts = [list(runs[k + "-tokens"]) for k in keys]
+        run = np.array([runs[k] for k in keys], dtype=np.float64)
+        residual = {}
+        for name, r in (("planned", planned), ("matmuls", matmuls)):
+            model.roundings = r
+            made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+            residual[name] = np.median(np.abs(run - made).max(axis=1))
+        assert residual["planned"] < 1e-5 and residual["matmuls"] > 1e-2, (n, residual)

@@ -462,5 +462,6 @@ def test_attention_by_blocks_of_queries_is_the_whole_matrixs(
     if rounded:
         probs = f16(probs)
     whole = (probs @ v.transpose(1, 0, 2)).transpose(1, 0, 2)
-    blocks = _softmax_attention(q, k, v, masked, how, f16 if rounded else None)
+    weighted_sum = (lambda p, values: f16(p) @ values) if rounded else np.matmul
+    blocks = _softmax_attention(q, k, v, masked, how, weighted_sum)
     np.testing.assert_allclose(blocks, whole, rtol=0, atol=1e-3 if rounded else 1e-14)

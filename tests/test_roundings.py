@@ -164,16 +164,24 @@ def test_each_combination_gets_its_backends_sources() -> None:
             "cpu.none": (cpu, "none"),
             "cpu.f32": (cpu, "f32"),
             "cuda.none": (DeviceSettings(backend="cuda").as_dict(), "none"),
+            "cuda-ub16.none": (DeviceSettings(backend="cuda", n_ubatch=16).as_dict(), "none"),
+            "cuda-fa.none": (DeviceSettings(backend="cuda", flash_attn=True).as_dict(), "none"),
             "cuda-kv32.f32": (DeviceSettings(backend="cuda", kv_cache_type="f32").as_dict(), "f32"),
             "vulkan.none": (DeviceSettings(backend="vulkan").as_dict(), "none"),
             "cpu.f16": (cpu, "f16"),
         }
     )
     cuda_sources = by_combination["cuda.none"]["sources"]
-    assert set(cuda_sources) == {"cuda_activations", "cuda_tf32", "kv_f16"}
-    assert "attention's roundings" in by_combination["cuda.none"]["not_followed"][0]
+    assert set(cuda_sources) == {"cuda_activations", "cuda_tf32", "kv_f16", "cuda_attention"}
+    assert cuda_sources["cuda_attention"] == "cuda_attention@ub512"
+    # what the sources leave out, where it acts
+    assert "cuBLAS" in by_combination["cuda.none"]["not_followed"][0]
+    assert by_combination["cuda-ub16.none"]["not_followed"] == []  # no ubatch takes cuBLAS
+    assert "flash attention" in by_combination["cuda-fa.none"]["not_followed"][0]
+    assert "cuda_attention" not in by_combination["cuda-fa.none"]["sources"]
     assert by_combination["cpu.none"]["not_followed"] == []
     assert set(by_combination["cuda-kv32.f32"]["sources"]) == {"cuda_tf32"}
+    assert "f32 KV cache" in by_combination["cuda-kv32.f32"]["not_followed"][0]
     assert "not emulated yet" in by_combination["vulkan.none"]["not_emulated"]
     assert "weights are not the file's" in by_combination["cpu.f16"]["not_emulated"]
     shared = by_combination["cpu.none"]["sources"]["kv_f16"]

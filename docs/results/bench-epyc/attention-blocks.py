@@ -38,8 +38,8 @@ for n in (256, 512, 1024, 2048):
     positions = np.arange(n)
     masked = positions[None, :] > positions[:, None]
     a = fastest(lambda q=q, k=k, v=v, masked=masked: whole(q, k, v, masked, how))
-    b = fastest(lambda q=q, k=k, v=v, masked=masked: _softmax_attention(q, k, v, masked, how, None))
-    diff = np.abs(whole(q, k, v, masked, how) - _softmax_attention(q, k, v, masked, how, None))
+    b = fastest(lambda q=q, k=k, v=v, masked=masked: _softmax_attention(q, k, v, masked, how))
+    diff = np.abs(whole(q, k, v, masked, how) - _softmax_attention(q, k, v, masked, how))
     print(
         f"n={n}: whole {1000 * a:.1f} ms, blocks {1000 * b:.1f} ms ({a / b:.2f}x), "
         f"largest difference {diff.max():.1e}"

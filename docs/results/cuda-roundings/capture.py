@@ -45,10 +45,20 @@ def make(folder: Path, target: str) -> Path:
     return path
 
 
+def context_for(lengths: list[int]) -> int:
+    """256 (the captures of 2026-12-03), or 1024 where a prompt needs more."""
+    return 256 if max(lengths) + max(STARTS) <= 256 else 1024
+
+
+def text_for(n_ctx: int) -> str:
+    return TEXT * (8 if n_ctx == 256 else 80)
+
+
 def capture(
-    path: Path, lengths: list[int], backend: str, flash_attn: bool
+    path: Path, lengths: list[int], backend: str, flash_attn: bool, n_ubatch: int = 512
 ) -> dict[int, dict[str, np.ndarray]]:
-    """Layer 0's tensors at the last token of prompts of ``lengths`` tokens."""
+    """Layer 0's tensors at the last token of prompts of ``lengths`` tokens (the last
+    ubatch's graph)."""
     from qdiff.core.settings import DeviceSettings
     from qdiff.engine.capture import TensorCapture
     from qdiff.engine.devices import backend_devices, devices_for_backend
@@ -57,7 +67,7 @@ def capture(
     from qdiff.engine.worker import _capture_prompt
 
     log = init_backend()  # kept while llama.cpp runs
-    settings = DeviceSettings(backend=backend, threads=1, flash_attn=flash_attn)
+    settings = DeviceSettings(backend=backend, threads=1, flash_attn=flash_attn, n_ubatch=n_ubatch)
     gpu = None
     if settings.on_gpu:
         usable = devices_for_backend(backend, backend_devices())
@@ -65,9 +75,9 @@ def capture(
             raise SystemExit(f"this build has no {backend} device")
         gpu = usable[0].handle
     out: dict[int, dict[str, np.ndarray]] = {}
-    with LoadedModel(path, settings, 256, gpu) as model:
-        text = "The quick brown fox jumps over the lazy dog. " * 8
-        tokens = model.tokenize(text, parse_special=False)
+    n_ctx = context_for(lengths)
+    with LoadedModel(path, settings, n_ctx, gpu) as model:
+        tokens = model.tokenize(text_for(n_ctx), parse_special=False)
         for n in lengths:
             arrays: dict[str, np.ndarray] = {}
             row = _capture_prompt(model, TensorCapture("-0$"), str(n), tokens[:n], "t", arrays)
@@ -83,22 +93,31 @@ def capture(
 
 FIRST_STEPS = [3, 5, 12, 40]  # prompt lengths of the whole-model check
 STARTS = [0, 7, 19, 31]  # where each prompt starts in the text's tokens
+# one token per ubatch (``ub1``): every row's attention takes MMVF; the last of 600 tokens
+# sees 768 KV cells, more than MMVF's K·Q takes (docs/gpu-arithmetic.md)
+UB1_STEPS = [*FIRST_STEPS, 600]
+UB1_LAYER0 = [5, 40, 600]  # layer 0's tensors at the last of these, in one-token ubatches
+TEXT = "The quick brown fox jumps over the lazy dog. "
 
 
-def first_steps(path: Path, backend: str) -> dict[str, np.ndarray]:
-    """The first step's logits of prompts of FIRST_STEPS tokens, each from STARTS."""
+def first_steps(
+    path: Path, backend: str, n_ubatch: int = 512, lengths: list[int] = FIRST_STEPS
+) -> dict[str, np.ndarray]:
+    """The first step's logits of prompts of ``lengths`` tokens, each from STARTS, the
+    prompt in ubatches of ``n_ubatch`` tokens."""
     from qdiff.core.settings import DeviceSettings
     from qdiff.engine.devices import backend_devices, devices_for_backend
     from qdiff.engine.log import init_backend
     from qdiff.engine.model import LoadedModel
 
     log = init_backend()
-    settings = DeviceSettings(backend=backend, threads=1)
+    settings = DeviceSettings(backend=backend, threads=1, n_ubatch=n_ubatch)
     gpu = devices_for_backend(backend, backend_devices())[0].handle if settings.on_gpu else None
     out: dict[str, np.ndarray] = {}
-    with LoadedModel(path, settings, 256, gpu) as model:
-        tokens = model.tokenize("The quick brown fox jumps over the lazy dog. " * 8, False)
-        for n in FIRST_STEPS:
+    n_ctx = context_for(lengths)
+    with LoadedModel(path, settings, n_ctx, gpu) as model:
+        tokens = model.tokenize(text_for(n_ctx), False)
+        for n in lengths:
             for start in STARTS:
                 prompt = tokens[start : start + n]
                 logits, _ = model.prefill(prompt)
@@ -109,11 +128,22 @@ def first_steps(path: Path, backend: str) -> dict[str, np.ndarray]:
 
 
 def main() -> None:
+    """``capture.py OUT [BACKEND] [ub1]``: with ``ub1``, only the first steps of UB1_STEPS
+    in one-token ubatches (``<target>-logits-ub1.npz``)."""
     out = Path(sys.argv[1])
     backend = sys.argv[2] if len(sys.argv) > 2 else "cuda"
     out.mkdir(parents=True, exist_ok=True)
     models = out / "models"
     models.mkdir(exist_ok=True)
+    if sys.argv[3:] == ["ub1"]:
+        for target in TARGETS:
+            path = make(models, target)
+            steps = first_steps(path, backend, 1, UB1_STEPS)
+            np.savez_compressed(out / f"{target}-logits-ub1.npz", **steps)
+            print(f"{target}: {len(steps) // 2} first steps in one-token ubatches", flush=True)
+            for n, tensors in capture(path, UB1_LAYER0, backend, False, n_ubatch=1).items():
+                np.savez_compressed(out / f"{target}-ub1-{n}.npz", **tensors)
+        return
     rows = []
     for target in TARGETS:
         path = make(models, target)

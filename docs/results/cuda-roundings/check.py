@@ -15,6 +15,8 @@ one that does not, at the rounding's own (1e-4 or more). Then the whole tiny mod
 steps against the engine (whole_models). Run here, from the repository's root, on the
 captures' folder:
     .venv/bin/python docs/results/cuda-roundings/check.py docs/results/cuda-roundings/h200
+and, with ``attention`` after it, only layer 0's attention in one-token ubatches
+(``attention_ub1``, on h200-ub1 beside it).
 The tiny models are made again from the same seed and checked against files.tsv."""
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "docs/results/cuda-roundings"), str(ROOT / "tests")]
 
-from capture import FIRST_STEPS, LENGTHS, STARTS, TARGETS, make  # noqa: E402
+from capture import FIRST_STEPS, LENGTHS, STARTS, TARGETS, UB1_LAYER0, UB1_STEPS, make  # noqa: E402
 
 from qdiff.core.backends import CPU_VEC_DOT_TYPE  # noqa: E402
 from qdiff.exact import cuda  # noqa: E402
@@ -75,58 +77,120 @@ def ways(model: ExactModel, x: np.ndarray, weight: str) -> dict[str, np.ndarray]
     return out
 
 
-def whole_models(captures: Path, folder: Path) -> None:
-    """Each quantized file's first steps on CUDA (capture.py's FIRST_STEPS prompts) against
-    the engine: exact, and with CUDA's followed roundings (q8_1 activations, f16 K/V and,
-    where a prompt of 2-16 tokens takes MMF for attention, f16 Q and softmax weights),
-    with their inputs jittered twice (the floor, qdiff.compare.budget). Prints per prompt
-    length the median over prompts of run - exact, run - emulation (the residual) and the
-    floor (first-step max |Δ|), the largest residual, and the prompts whose residual is
-    within the floor (or within 1e-5, float32's level for these logits)."""
-    from qdiff.core.roundings import JITTER_SEEDS, Roundings
+def whole_models(captures: Path, folder: Path, n_ubatch: int = 512) -> None:
+    """Each file's first steps on CUDA (capture.py's FIRST_STEPS prompts; with ``n_ubatch``
+    1, its UB1_STEPS in one-token ubatches) against the engine: exact; with CUDA's matmul
+    roundings and the f16 K/V alone (``matmuls``); with every CUDA source the pipeline
+    plans for such a device (``all``: attention's kernels too, qdiff.core.roundings), and
+    that with its inputs jittered twice (the floor, qdiff.compare.budget). Prints per prompt
+    length the median over prompts of run - exact, of the residuals run - matmuls and
+    run - all, and of the floor (first-step max |Δ|), the largest residual of ``all``, and
+    the prompts whose ``all`` residual is within the floor (or within 1e-5, float32's
+    level for these logits)."""
+    from qdiff.core.roundings import JITTER_SEEDS, Roundings, sources_of, together
+    from qdiff.core.settings import DeviceSettings
 
+    suffix = "-ub1" if n_ubatch == 1 else ""
+    lengths = UB1_STEPS if n_ubatch == 1 else FIRST_STEPS
+    every = together(
+        sources_of(DeviceSettings(backend="cuda", n_ubatch=n_ubatch).as_dict(), "none")
+    )
+    matmuls = Roundings(cuda_activations=True, cuda_tf32=True, kv_f16=True, n_ubatch=n_ubatch)
     print(
-        f"\n{'file':8} {'n':>3} {'from exact':>10} {'residual':>10} {'floor':>10} "
-        f"{'res/floor':>9} {'max resid':>10} within"
+        f"\nn_ubatch {n_ubatch}\n{'file':8} {'n':>3} {'from exact':>10} {'matmuls':>10} "
+        f"{'all':>10} {'floor':>10} {'all/floor':>9} {'max resid':>10} within"
     )
     for target in TARGETS:
-        if target in ("f32", "f16"):
-            continue
-        runs = np.load(captures / f"{target}-logits.npz")
+        if target == "f16" or not (captures / f"{target}-logits{suffix}.npz").exists():
+            continue  # f16 weights: CUDA's kernels for them are not followed
+        runs = np.load(captures / f"{target}-logits{suffix}.npz")
         model = ExactModel(make(folder, target))
         model.first_step_only = True
-        for n in FIRST_STEPS:
+        for n in lengths:
             keys = [f"{n}-{start}" for start in STARTS]
             prompts = [list(runs[k + "-tokens"]) for k in keys]
             run = np.array([runs[k] for k in keys], dtype=np.float64)
-            switches = Roundings(
-                cuda_activations=True, cuda_tf32=True, kv_f16=True, qp_f16=2 <= n <= 16
-            )
+            jittered = [(f"j{s}", dataclasses.replace(every, jitter=s)) for s in JITTER_SEEDS]
             made = {}
-            for name, r in (
-                [("exact", Roundings())]
-                + [("all", switches)]
-                + [
-                    (f"j{seed}", dataclasses.replace(switches, jitter=seed))
-                    for seed in JITTER_SEEDS
-                ]
-            ):
+            for name, r in [
+                ("exact", Roundings()),
+                ("matmuls", matmuls),
+                ("all", every),
+                *jittered,
+            ]:
                 model.roundings = r
                 made[name] = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
-            dist = np.abs(run - made["exact"]).max(axis=1)
-            residual = np.abs(run - made["all"]).max(axis=1)
+            dist = {k: np.abs(run - made[k]).max(axis=1) for k in ("exact", "matmuls", "all")}
             floor = np.max(
                 [np.abs(made[f"j{s}"] - made["all"]).max(axis=1) for s in JITTER_SEEDS], axis=0
             )
+            residual = dist["all"]
             print(
-                f"{target:8} {n:3d} {np.median(dist):10.3g} {np.median(residual):10.3g} "
+                f"{target:8} {n:3d} {np.median(dist['exact']):10.3g} "
+                f"{np.median(dist['matmuls']):10.3g} {np.median(residual):10.3g} "
                 f"{np.median(floor):10.3g} {np.median(residual / np.maximum(floor, 1e-30)):9.3g} "
                 f"{residual.max():10.3g} {(residual <= np.maximum(floor, 1e-5)).sum()}/{len(keys)}"
             )
 
 
+def attention_ub1(captures: Path, folder: Path) -> None:
+    """Layer 0's attention at the last of UB1_LAYER0 tokens, each token in its own ubatch,
+    from the engine's K and V (computed as the run's one-token kernels do, stored in f16)
+    and the run's own Q row and softmax weights, against the run's K·Q and softmax·V:
+    K·Q with Q as it is (MMVF) or in f16 (MMF), the median and largest difference relative
+    to the largest value; softmax·V as MMVF computes it (cuda.mmvf_weighted_sum), with
+    f16 weights and float32 sums (MMF, the CPU), and with every product rounded once and
+    summed in float32, the largest difference, and how many of the 256 outputs the
+    emulation leaves more than 1e-6 away."""
+    from qdiff.core.roundings import Roundings
+    from qdiff.exact.model import rms_norm, rope
+
+    def f16(a: np.ndarray) -> np.ndarray:
+        return a.astype(np.float16).astype(np.float64)
+
+    print(
+        f"{'file':7} {'n':>3} {'cells':>5} K·Q: float32 Q (median, max), f16 Q | softmax·V: mmvf (outputs off), f16 weights, products once"
+    )
+    for target in TARGETS:
+        if target == "f16":
+            continue
+        model = ExactModel(make(folder, target))
+        hp, w = model.hp, model.weights
+        heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)
+        for n in UB1_LAYER0:
+            t = np.load(captures / f"{target}-ub1-{n}.npz")
+            model.roundings = Roundings(cuda_activations=True, cuda_tf32=True, n_ubatch=1)
+            model.row_tokens = np.ones(n, dtype=int)
+            x = rms_norm(w["token_embd.weight"][t["tokens"]], w["blk.0.attn_norm.weight"], hp.eps)
+            q, k, v = model._qkv(x, 0)
+            turn = model._rope_of(0)
+            q, k = (rope(a, np.arange(n, dtype=np.float64), turn) for a in (q, k))
+            keys, values = (f16(a)[:, heads].transpose(1, 0, 2) for a in (k, v))
+            cells = len(t["kq-0"]) // hp.n_head
+            kq = t["kq-0"].reshape(hp.n_head, cells)[:, :n].astype(np.float64)
+            p = t["kq_soft_max-0"].reshape(hp.n_head, cells)[:, :n].astype(np.float64)
+            kqv = t["kqv-0"].reshape(hp.n_head, -1).astype(np.float64)
+            kq_err = [
+                np.abs(np.einsum("hd,hnd->hn", qq, keys) - kq) / np.abs(kq).max()
+                for qq in (q[-1], f16(q[-1]))
+            ]
+            scale = np.abs(kqv).max()
+            mmvf = np.abs(cuda.mmvf_weighted_sum(p[:, None], values, cells)[:, 0] - kqv) / scale
+            weights16 = np.abs(np.einsum("hn,hnd->hd", f16(p), values) - kqv).max() / scale
+            once = np.abs(f16(f16(p)[..., None] * values).sum(axis=1) - kqv).max() / scale
+            print(
+                f"{target:7} {n:3d} {cells:5d} {np.median(kq_err[0]):.1e} {kq_err[0].max():.1e}, "
+                f"{np.median(kq_err[1]):.1e} {kq_err[1].max():.1e} | {mmvf.max():.1e} "
+                f"({(mmvf > 1e-6).sum()}), {weights16:.1e}, {once:.1e}"
+            )
+
+
 def main() -> None:
     captures = Path(sys.argv[1])
+    if sys.argv[2:] == ["attention"]:
+        with tempfile.TemporaryDirectory() as folder:
+            attention_ub1(captures.parent / "h200-ub1", Path(folder))
+        return
     digests = dict(
         line.split("\t") for line in (captures / "files.tsv").read_text().split("\n") if line
     )
@@ -162,6 +226,9 @@ def main() -> None:
         print(f"{target:10} {n:3d} {made:12} {kind:5} {cells}")
     with tempfile.TemporaryDirectory() as folder:
         whole_models(captures, Path(folder))
+        ub1 = captures.parent / "h200-ub1"  # capture.py's one-token ubatches
+        if ub1.exists():
+            whole_models(ub1, Path(folder), n_ubatch=1)
 
 
 if __name__ == "__main__":

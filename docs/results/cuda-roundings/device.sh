@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Produces this folder's captures on the lent NVIDIA H200 in one `device` call (about 5 min):
 #   run(command="bash docs/results/cuda-roundings/device.sh", carry=[".carry/llama-cpp-python-0.3.36.tgz", ".carry/whl"])
+# and h200-ub1/ (capture.py's one-token ubatches) with the argument ub1 and, beside the
+# sdist, only the two wheels the capture needs that the H200 lacks: .carry/whl-capture/
+# holding gguf and diskcache (llama-cpp-python imports it) from .carry/whl (the tree of
+# 2026-12-04 leaves no room for all of .carry/whl in a call's 64 MiB). On 2026-12-04 the
+# first call carried gguf alone and failed at the import after the build; a second call
+# on the still warm machine installed diskcache and captured (README.md).
 # .carry/ is made here by docs/results/seed-long/carry.sh (the trimmed sdist; the wheels the
 # H200 lacks). It builds llama-cpp-python with CUDA only (4-5 min on 16 cores), then runs
 # capture.py beside this file and packs its output into $OUT.
 set -euo pipefail
 SITE=/tmp/site
 mkdir -p "$SITE" /tmp/src
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl*/*.whl
 tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
 export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
 $(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args cuda)"
@@ -25,7 +31,7 @@ export PYTHONPATH="$PWD/src:$SITE" PYTHONUNBUFFERED=1
     python3 -c "import llama_cpp; print(llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"
 } | tee /tmp/machine.txt
 mkdir -p /tmp/cap
-python3 docs/results/cuda-roundings/capture.py /tmp/cap cuda 2>/tmp/capture.log || {
+python3 docs/results/cuda-roundings/capture.py /tmp/cap cuda ${1:-} 2>/tmp/capture.log || {
     echo "capture.py failed:"
     grep -v "^llama\|^load\|^print_info\|^graph_\|^sched_" /tmp/capture.log | tail -40
 }

@@ -23,6 +23,8 @@ class Roundings:
     gelu_table: bool = False
     cuda_activations: bool = False
     cuda_tf32: bool = False
+    # CUDA's attention without flash attention, by the kernels each ubatch's size picks
+    cuda_attention: bool = False
     # the f32 copy's weights: every matmul weight is f32 (the file's values), so it takes
     # the f32 kernels (on CUDA: MMVF, MMF or cuBLAS), not the file's type's
     f32_copy: bool = False
@@ -34,7 +36,7 @@ class Roundings:
     def by_ubatch(self) -> bool:
         """Whether the ubatch's size changes what these switches compute (CPU flash
         attention's path, CUDA's kernels)."""
-        return self.flash_cpu or self.cuda_activations or self.cuda_tf32
+        return self.flash_cpu or self.cuda_activations or self.cuda_tf32 or self.cuda_attention
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,16 +58,28 @@ SOURCE_LABELS = {
     "gelu_table": "fp16 GELU table",
     "cuda_activations": "CUDA's q8_1 activations (MMVQ, MMQ)",
     "cuda_tf32": "CUDA's TF32 products of f32 weights",
+    "cuda_attention": "CUDA's attention (f16 softmax weights; f16 products for one token)",
 }
-# each backend's roundings the engine does not follow (yet): a residual above the floor is
-# expected where they act (docs/gpu-arithmetic.md)
-NOT_FOLLOWED = {
-    "cuda": [
-        "attention's roundings (Q and the softmax weights in f16 for 2-16 tokens; K·Q in "
-        "TF32 and softmax·V summed in f16 for more; softmax·V summed in f16 for one)",
-        "flash attention's f16 Q, softmax weights and sums",
-    ],
-}
+# what the engine does not follow (yet) of CUDA's arithmetic, where it acts: a residual
+# above the floor is expected there (docs/gpu-arithmetic.md)
+CUDA_FLASH = "flash attention's f16 Q, softmax weights and sums"
+CUDA_CUBLAS_SUMS = (
+    "softmax·V of ubatches of more than 16 tokens, summed in f16 by cuBLAS in an order not known"
+)
+CUDA_KV_F32 = "attention with an f32 KV cache (TF32 products above 3 tokens)"
+
+
+def not_followed(settings: dict[str, Any]) -> list[str]:
+    """The roundings of a combination (its device's settings) that the engine's sources do
+    not follow, where it follows its backend at all."""
+    if settings["backend"] != "cuda":
+        return []
+    if settings.get("flash_attn"):
+        return [CUDA_FLASH]
+    if settings.get("kv_cache_type", "f16") != "f16":
+        return [CUDA_KV_F32]
+    n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
+    return [CUDA_CUBLAS_SUMS] if n_ubatch > 16 else []
 
 
 def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
@@ -103,8 +117,9 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
 
 def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str, Roundings]:
     """CUDA's sources on an H200 that the engine follows (qdiff.exact.cuda): the q8_1
-    activations of the quantized file's matmuls, the TF32 products of f32 weights, and the
-    f16 K/V (stored, or cast for flash attention); NOT_FOLLOWED lists the rest."""
+    activations of the quantized file's matmuls, the TF32 products of f32 weights, the
+    f16 K/V (stored, or cast for flash attention) and, with an f16 cache and no flash
+    attention, attention's kernels; ``not_followed`` lists the rest."""
     # f32 weights, of the file or, every one of them, of its f32 copy; the kernels by the
     # size of each ubatch
     tf32 = Roundings(cuda_tf32=True, f32_copy=dequant == "f32", n_ubatch=n_ubatch)
@@ -113,6 +128,8 @@ def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str
         sources["cuda_activations"] = Roundings(cuda_activations=True, n_ubatch=n_ubatch)
     if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
+    if kv == "f16" and not flash:
+        sources["cuda_attention"] = Roundings(cuda_attention=True, n_ubatch=n_ubatch)
     return sources
 
 
@@ -156,7 +173,7 @@ def plan(
         for r in [*sources.values(), all_of, *jitters]:
             configs[config_id(r)] = r.as_dict()
         per_combination[label] = {
-            "not_followed": NOT_FOLLOWED.get(settings["backend"], []),
+            "not_followed": not_followed(settings),
             "sources": {name: config_id(r) for name, r in sources.items()},
             "together": config_id(all_of),
             "jittered": [config_id(r) for r in jitters],

@@ -1,5 +1,6 @@
-"""CUDA's matmuls with a quantized weight on an H200 (compute capability 9.0), in float64:
-what llama.cpp's kernels compute, up to the order and rounding of their float32 sums.
+"""CUDA's matmuls on an H200 (compute capability 9.0), in float64: what llama.cpp's kernels
+compute, up to the order and rounding of their float32 sums; its attention without flash
+attention at the end (ATTENTION_KERNELS).
 
 Read in the source llama-cpp-python 0.3.36 vendors (ggml/src/ggml-cuda/; the lines are in
 docs/gpu-arithmetic.md). A matmul of 1-8 tokens runs MMVQ, of more MMQ (on this GPU never
@@ -207,3 +208,69 @@ def f32_linear(x: np.ndarray, w: np.ndarray, n_tokens: int) -> np.ndarray:
         return x @ w.T
     nearest = n_tokens > MMF_MAX_TOKENS
     return tf32(x, nearest) @ tf32(w, nearest).T
+
+
+# Attention without flash attention (an f16 KV cache): K·Q (``GGML_PREC_F32``) and
+# softmax·V (the default precision) are ``ggml_mul_mat`` with the cache's f16 K or V as
+# the first operand, so the ubatch's size picks their kernels (ggml_cuda_mul_mat):
+ATTENTION_KERNELS = {
+    # MMVF: K·Q in float32; softmax·V with f16 accumulators (mmvf_weighted_sum)
+    "mmvf": "one token",
+    # MMF: Q and the softmax weights rounded to f16, float32 sums (the CPU's qp_f16)
+    "mmf": "2-16 tokens",
+    # cuBLAS: K·Q with Q rounded to TF32; softmax·V with P in f16, summed by
+    # CUBLAS_COMPUTE_16F in an order the engine does not know (not followed)
+    "cublas": "more than 16 tokens",
+}
+KV_PAD = 256  # llama_kv_cache::get_n_kv: the cells a ubatch sees, padded to a multiple
+MMVF_MAX_KV_CELLS = 512  # ggml_cuda_should_use_mmvf: K of more cells (and heads) takes MMF
+WARP = 32
+
+
+def attention_kernel(n_tokens: int) -> str:
+    """The kernel K·Q and softmax·V of a ubatch of ``n_tokens`` tokens take on this GPU."""
+    if n_tokens == 1:
+        return "mmvf"
+    return "mmf" if n_tokens <= MMF_MAX_TOKENS else "cublas"
+
+
+def kv_cells(positions: np.ndarray) -> np.ndarray:
+    """The KV cells a one-token ubatch at each position sees (padded; a cache of at
+    least that many cells, as every context of a multiple of 256)."""
+    return (np.asarray(positions, dtype=np.int64) // KV_PAD + 1) * KV_PAD
+
+
+def mmvf_block_size(n_cols: int) -> int:
+    """launch_mul_mat_vec_f_cuda's threads per row on NVIDIA: the fewest iterations of
+    two columns each, the fewest threads among equals."""
+    best, fewest = WARP, -(-n_cols // (2 * WARP))
+    for size in range(2 * WARP, 257, WARP):
+        n_iter = -(-n_cols // (2 * size))
+        if n_iter < fewest:
+            best, fewest = size, n_iter
+    return best
+
+
+def mmvf_weighted_sum(p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
+    """softmax·V of one-token rows as MMVF computes it with f16 accumulators (mul_mat_vec_f,
+    ``type_acc`` half: the default precision on this GPU): the weights ``p`` (heads, rows,
+    keys) rounded to f16; each of the row's threads takes every block-size-th pair of the
+    ``n_cells`` cells and sums their products in half2, each product and sum rounded to
+    f16 (taken as fused: a multiply and an add without rounding modifiers, which ptxas may
+    fuse); the threads' sums added in float32. ``v`` (heads, keys, d) is the f16 cache. Up
+    to 512 cells each thread holds one pair: every product rounded to f16, summed in
+    float32, which the H200's one-token matmuls of f16 weights (the same kernel) match
+    to float32's level (docs/results/cuda-roundings)."""
+    heads, rows, keys = p.shape
+    span = 2 * mmvf_block_size(n_cells)  # cells one pass of the threads covers
+    n_iter = -(-max(n_cells, keys) // span)
+    pad = n_iter * span - keys
+    weights = np.pad(f16(p), ((0, 0), (0, 0), (0, pad))).reshape(heads, rows, n_iter, span)
+    values = np.pad(v, ((0, 0), (0, pad), (0, 0))).reshape(heads, n_iter, span, v.shape[-1])
+    out = np.empty((heads, rows, v.shape[-1]))
+    for h in range(heads):  # (rows, span, d) at a time
+        acc = np.zeros((rows, span, v.shape[-1]))
+        for i in range(n_iter):
+            acc = f16(acc + weights[h, :, i, :, None] * values[h, i][None])
+        out[h] = acc.sum(axis=1)
+    return out

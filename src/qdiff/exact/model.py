@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -166,10 +167,11 @@ def _softmax_attention(
     v: np.ndarray,
     masked: np.ndarray,
     how: Scores,
-    p_rounding: Callable[[np.ndarray], np.ndarray] | None,
+    weighted_sum: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.matmul,
 ) -> np.ndarray:
-    """softmax(scores(Q·Kᵀ), masked)·V per head (q, k, v: (n, heads, d)); with
-    ``p_rounding`` the softmax weights rounded before the product with V. Block by block of
+    """softmax(scores(Q·Kᵀ), masked)·V per head (q, k, v: (n, heads, d)); the product with V
+    as ``weighted_sum`` (softmax weights (heads, queries, keys), V (heads, keys, d)) computes
+    it, where a backend rounds the weights or the sum. Block by block of
     queries, each over the keys some row of the block sees: a causal mask then costs about
     half the full matrix (a masked key adds an exact 0 to the sum it is left out of)."""
     n = len(q)
@@ -184,9 +186,7 @@ def _softmax_attention(
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        if p_rounding is not None:
-            scores = p_rounding(scores)
-        out[rows] = (scores @ vh[:, keys]).transpose(1, 0, 2)
+        out[rows] = weighted_sum(scores, vh[:, keys]).transpose(1, 0, 2)
     return out
 
 
@@ -366,8 +366,8 @@ class ExactModel:
         heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)  # each query head's K/V
         k, v = k[:, heads], v[:, heads]
         scores = Scores(scale, hp.attn_softcap)
-        p_rounding = (lambda probs: self.rounded(probs, f16)) if r.qp_f16 else None
-        q_used = self.rounded(q, f16) if r.qp_f16 else q
+        if r.cuda_attention:
+            kernels = np.array([cuda.attention_kernel(t) for t in self._tokens_of_rows(n)])
         out = np.empty_like(q)
         for rows in _spans(lengths):
             at = positions[rows]
@@ -375,8 +375,14 @@ class ExactModel:
             masked = at[None, :] > at[:, None]
             if hp.swa_layers[layer]:
                 masked |= at[None, :] <= at[:, None] - hp.n_swa
-            qs, ks, vs = q_used[rows], k[rows], v[rows]
-            out[rows] = _softmax_attention(qs, ks, vs, masked, scores, p_rounding)
+            ks, vs = k[rows], v[rows]
+            if r.cuda_attention:
+                out[rows] = self._cuda_attention(q[rows], ks, vs, masked, scores, kernels[rows])
+            elif r.qp_f16:
+                q_f16 = self.rounded(q[rows], f16)
+                out[rows] = _softmax_attention(q_f16, ks, vs, masked, scores, self._f16_weights)
+            else:
+                out[rows] = _softmax_attention(q[rows], ks, vs, masked, scores)
             if r.flash_cpu:
                 one_by_one = flash_rows_one_by_one(len(at), r.n_ubatch)
                 if one_by_one.any():
@@ -384,6 +390,46 @@ class ExactModel:
                     flash = flash_one_row(q_in, ks, vs, masked, scores)
                     out[rows][one_by_one] = flash[one_by_one]
         return self.linear(out.reshape(n, hp.n_head * d), p + "attn_output.weight")
+
+    def _f16_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """softmax·V with the weights rounded to f16 and float32 sums (the CPU's f16 V,
+        CUDA's MMF)."""
+        return self.rounded(p, f16) @ v
+
+    def _cuda_attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        masked: np.ndarray,
+        scores: Scores,
+        kernels: np.ndarray,
+    ) -> np.ndarray:
+        """One sequence's attention as CUDA computes it without flash attention, each row by
+        the kernels its ubatch takes (``kernels``; cuda.ATTENTION_KERNELS) and, on one
+        token, the KV cells it sees."""
+        out = np.empty_like(q)
+        cells = np.where(kernels == "mmvf", cuda.kv_cells(np.arange(len(q))), 0)
+        for kernel, n_cells in sorted(set(zip(kernels, cells, strict=True))):
+            rows = (kernels == kernel) & (cells == n_cells)
+            q_used, weigh = self._cuda_attention_inputs(q[rows], kernel, int(n_cells))
+            out[rows] = _softmax_attention(q_used, k, v, masked[rows], scores, weigh)
+        return out
+
+    def _cuda_attention_inputs(
+        self, q: np.ndarray, kernel: str, n_cells: int
+    ) -> tuple[np.ndarray, Callable[[np.ndarray, np.ndarray], np.ndarray]]:
+        """Q as ``kernel`` takes it into K·Q, and how it forms softmax·V."""
+        if kernel == "mmvf":
+            weigh = partial(self._mmvf_weights, n_cells=n_cells)
+            # K·Q in MMVF, float32, up to MMVF_MAX_KV_CELLS cells; beyond, MMF's f16 Q
+            return (q if n_cells <= cuda.MMVF_MAX_KV_CELLS else self.rounded(q, f16)), weigh
+        if kernel == "mmf":
+            return self.rounded(q, f16), self._f16_weights
+        return self.rounded(q, partial(cuda.tf32, nearest=True)), self._f16_weights
+
+    def _mmvf_weights(self, p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
+        return cuda.mmvf_weighted_sum(self.rounded(p, np.asarray), v, n_cells)
 
     def _feed_forward(self, x: np.ndarray, layer: int) -> np.ndarray:
         p = f"blk.{layer}."

@@ -134,6 +134,7 @@ def _changes_anything(
         r.kv_f16
         or r.qp_f16
         or r.flash_cpu
+        or r.cuda_attention
         or (r.gelu_table and exact.hp.arch.activation == "gelu")
         or (r.activations and bool(quantized))
         or (r.cuda_activations and bool(quantized & cuda.EMULATED))

@@ -24,7 +24,8 @@ float32 sums. What each switch follows:
   tiled path, float32 throughout but for the stored K and V.
 - ``gelu_table`` (CPU): GELU read from an fp16 table (ggml-cpu/vec.h, GGML_GELU_FP16).
 
-CUDA's ``cuda_activations`` and ``cuda_tf32`` (its matmuls, by the number of tokens) are
+CUDA's ``cuda_activations``, ``cuda_tf32`` (its matmuls) and ``cuda_attention`` (its
+attention without flash attention), each by the number of tokens of the ubatch, are
 followed in qdiff.exact.cuda.
 """
 
