@@ -15,8 +15,8 @@ one that does not, at the rounding's own (1e-4 or more). Then the whole tiny mod
 steps against the engine (whole_models). Run here, from the repository's root, on the
 captures' folder:
     .venv/bin/python docs/results/cuda-roundings/check.py docs/results/cuda-roundings/h200
-and, with ``attention`` after it, only layer 0's attention in one-token ubatches
-(``attention_ub1``, on h200-ub1 beside it).
+and, with ``attention`` after it, only the f16 file's one-token matmuls (``f16_one_token``)
+and layer 0's attention in one-token ubatches (``attention_ub1``, on h200-ub1 beside it).
 The tiny models are made again from the same seed and checked against files.tsv."""
 
 from __future__ import annotations
@@ -135,8 +135,9 @@ def whole_models(captures: Path, folder: Path, n_ubatch: int = 512) -> None:
 
 def attention_ub1(captures: Path, folder: Path) -> None:
     """Layer 0's attention at the last of UB1_LAYER0 tokens, each token in its own ubatch,
-    from the engine's K and V (computed as the run's one-token kernels do, stored in f16)
-    and the run's own Q row and softmax weights, against the run's K·Q and softmax·V:
+    from the engine's Q, K and V (computed as the run's one-token kernels do, RoPE in
+    float64, K and V stored in f16) and the run's own softmax weights, against the run's
+    K·Q and softmax·V:
     K·Q with Q as it is (MMVF) or in f16 (MMF), the median and largest difference relative
     to the largest value; softmax·V as MMVF computes it (cuda.mmvf_weighted_sum), with
     f16 weights and float32 sums (MMF, the CPU), and with every product rounded once and
@@ -185,10 +186,30 @@ def attention_ub1(captures: Path, folder: Path) -> None:
             )
 
 
+def f16_one_token(captures: Path, folder: Path) -> None:
+    """The f16 file's matmuls of layer 0 at one token (MMVF with f16 accumulators, the
+    kernel softmax·V of one token takes): float32 products, the activations in f16, and
+    the activations and every product in f16 summed in float32 (cuda.mmvf_weighted_sum),
+    the largest difference relative to the output's largest value."""
+    model, tensors = ExactModel(make(folder, "f16")), np.load(captures / "f16-1.npz")
+    print("f16 weights, one token: float32, f16 activations, f16 activations and products")
+    for given, made, weight in MATMULS:
+        x, theirs = tensors[given].astype(np.float64), tensors[made].astype(np.float64)
+        w, scale = model.weights[weight], np.abs(theirs).max()
+        ways = (
+            w @ x,
+            w @ x.astype(np.float16),
+            cuda.mmvf_weighted_sum(x[None, None], w.T[None], len(x))[0, 0],
+        )
+        print(f"{made:12} " + " ".join(f"{np.abs(y - theirs).max() / scale:.2e}" for y in ways))
+    print()
+
+
 def main() -> None:
     captures = Path(sys.argv[1])
     if sys.argv[2:] == ["attention"]:
         with tempfile.TemporaryDirectory() as folder:
+            f16_one_token(captures, Path(folder))
             attention_ub1(captures.parent / "h200-ub1", Path(folder))
         return
     digests = dict(

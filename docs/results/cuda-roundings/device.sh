@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Produces this folder's captures on the lent NVIDIA H200 in one `device` call (about 5 min):
 #   run(command="bash docs/results/cuda-roundings/device.sh", carry=[".carry/llama-cpp-python-0.3.36.tgz", ".carry/whl"])
-# and h200-ub1/ (capture.py's one-token ubatches) with the argument ub1 and, beside the
-# sdist, only the two wheels the capture needs that the H200 lacks: .carry/whl-capture/
-# holding gguf and diskcache (llama-cpp-python imports it) from .carry/whl (the tree of
-# 2026-12-04 leaves no room for all of .carry/whl in a call's 64 MiB). On 2026-12-04 the
-# first call carried gguf alone and failed at the import after the build; a second call
-# on the still warm machine installed diskcache and captured (README.md).
+# (as on 2026-12-03), and h200-ub1/ (capture.py's one-token ubatches) with
+#   run(command="bash docs/results/cuda-roundings/device.sh ub1", carry=[".carry/llama-cpp-python-0.3.36.tgz", ".carry/whl-capture"])
+# whose wheels are the two of .carry/whl the capture needs (gguf; diskcache, which
+# llama-cpp-python imports): the tree of 2026-12-04 leaves no room for all of .carry/whl in
+# a call's 64 MiB. On 2026-12-04 that call carried gguf alone and failed at `import
+# llama_cpp` after the build; a second call on the still warm machine (its /tmp/site and
+# the build kept) installed .carry/whl/diskcache-*.whl into /tmp/site and ran
+# `capture.py /tmp/cap cuda ub1` and the packing below by hand (README.md). As written
+# here, with both wheels, the ub1 call has not run in one piece.
 # .carry/ is made here by docs/results/seed-long/carry.sh (the trimmed sdist; the wheels the
 # H200 lacks). It builds llama-cpp-python with CUDA only (4-5 min on 16 cores), then runs
 # capture.py beside this file and packs its output into $OUT.

