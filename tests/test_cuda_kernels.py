@@ -340,7 +340,7 @@ def test_the_f32_copy_takes_cudas_f32_kernels_for_every_matmul(files: dict[str, 
     assert not _changes_anything(the_file.roundings, the_file, matmul_types, has_f32=False)
 
 
-# Attention without flash attention (cuda.ATTENTION_KERNELS), against the H200's tensors of
+# Attention without flash attention (cuda.attention_kernel), against the H200's tensors of
 # prompts computed in one-token ubatches (docs/results/cuda-roundings/h200-ub1: layer 0 at
 # the last of 5, 40 and 600 tokens, and first steps)
 H200_UB1 = H200.parent / "h200-ub1"

@@ -78,8 +78,12 @@ def not_followed(settings: dict[str, Any]) -> list[str]:
         return [CUDA_FLASH]
     if settings.get("kv_cache_type", "f16") != "f16":
         return [CUDA_KV_F32]
-    n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
-    return [CUDA_CUBLAS_SUMS] if n_ubatch > 16 else []
+    return [CUDA_CUBLAS_SUMS] if _ubatch_of(settings) > 16 else []
+
+
+def _ubatch_of(settings: dict[str, Any]) -> int:
+    """The most tokens llama.cpp computes at once: n_ubatch, or n_batch where smaller."""
+    return min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
 
 
 def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
@@ -99,7 +103,7 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     if kv not in ("f16", "f32"):
         raise NotEmulatedError(f"a {kv} KV cache is not emulated")
     flash = bool(settings.get("flash_attn"))
-    n_ubatch = min(settings.get("n_batch", 512), settings.get("n_ubatch", 512))
+    n_ubatch = _ubatch_of(settings)
     if backend == "cuda":
         return _cuda_sources(dequant, kv, flash, n_ubatch)
     sources = {"gelu_table": Roundings(gelu_table=True)}

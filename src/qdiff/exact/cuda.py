@@ -1,6 +1,6 @@
 """CUDA's matmuls on an H200 (compute capability 9.0), in float64: what llama.cpp's kernels
 compute, up to the order and rounding of their float32 sums; its attention without flash
-attention at the end (ATTENTION_KERNELS).
+attention at the end (attention_kernel).
 
 Read in the source llama-cpp-python 0.3.36 vendors (ggml/src/ggml-cuda/; the lines are in
 docs/gpu-arithmetic.md). A matmul of 1-8 tokens runs MMVQ, of more MMQ (on this GPU never
@@ -213,15 +213,10 @@ def f32_linear(x: np.ndarray, w: np.ndarray, n_tokens: int) -> np.ndarray:
 # Attention without flash attention (an f16 KV cache): K·Q (``GGML_PREC_F32``) and
 # softmax·V (the default precision) are ``ggml_mul_mat`` with the cache's f16 K or V as
 # the first operand, so the ubatch's size picks their kernels (ggml_cuda_mul_mat):
-ATTENTION_KERNELS = {
-    # MMVF: K·Q in float32; softmax·V with f16 accumulators (mmvf_weighted_sum)
-    "mmvf": "one token",
-    # MMF: Q and the softmax weights rounded to f16, float32 sums (the CPU's qp_f16)
-    "mmf": "2-16 tokens",
-    # cuBLAS: K·Q with Q rounded to TF32; softmax·V with P in f16, summed by
-    # CUBLAS_COMPUTE_16F in an order the engine does not know (not followed)
-    "cublas": "more than 16 tokens",
-}
+# - one token, MMVF: K·Q in float32; softmax·V with f16 accumulators (mmvf_weighted_sum)
+# - 2-16 tokens, MMF: Q and the softmax weights rounded to f16, float32 sums (the CPU's)
+# - more, cuBLAS: K·Q with Q rounded to TF32; softmax·V with the weights in f16, summed by
+#   CUBLAS_COMPUTE_16F in an order the engine does not know (not followed)
 KV_PAD = 256  # llama_kv_cache::get_n_kv: the cells a ubatch sees, padded to a multiple
 MMVF_MAX_KV_CELLS = 512  # ggml_cuda_should_use_mmvf: K of more cells (and heads) takes MMF
 WARP = 32

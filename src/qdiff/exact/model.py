@@ -406,7 +406,7 @@ class ExactModel:
         kernels: np.ndarray,
     ) -> np.ndarray:
         """One sequence's attention as CUDA computes it without flash attention, each row by
-        the kernels its ubatch takes (``kernels``; cuda.ATTENTION_KERNELS) and, on one
+        the kernels its ubatch takes (``kernels``; cuda.attention_kernel) and, on one
         token, the KV cells it sees."""
         out = np.empty_like(q)
         cells = np.where(kernels == "mmvf", cuda.kv_cells(np.arange(len(q))), 0)
