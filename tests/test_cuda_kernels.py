@@ -6,7 +6,9 @@
   to float32's level, and the other kernel's emulation does not.
 - Attention without flash attention (``cuda_attention``), against the H200's tensors of
   prompts in one-token ubatches (docs/results/cuda-roundings/h200-ub1): softmax·V as MMVF's
-  f16 products and per-thread f16 sums, and whole first steps at float32's level.
+  f16 products and per-thread f16 sums, and whole first steps at float32's level; and
+  against prompts of 40 tokens in one ubatch, softmax·V (and f16 weights' matmuls) as
+  cuBLAS's f16 sums of runs of 16 products, exactly.
 - The weights read as the kernels read them, the engine's vectorised form against each
   kernel's per-block formula as the source writes it, and the cases where a CUDA kernel's
   arithmetic is the CPU's, against llama.cpp's own CPU tensors."""
@@ -370,11 +372,11 @@ def test_one_token_matmuls_of_f16_weights_round_every_product_to_f16(
             assert _relative(other, theirs) > 1e-4, weight
 
 
-def _values_of_layer0(model: ExactModel, tokens: np.ndarray) -> np.ndarray:
-    """V of every position of layer 0, computed in one-token ubatches, as the f16 cache
-    keeps it, expanded to the query heads: (heads, positions, d)."""
-    model.roundings = Roundings(cuda_activations=True, n_ubatch=1)
-    model.row_tokens = np.ones(len(tokens), dtype=int)
+def _values_of_layer0(model: ExactModel, tokens: np.ndarray, n_ubatch: int = 1) -> np.ndarray:
+    """V of every position of layer 0, computed in ubatches of ``n_ubatch`` tokens, as the
+    f16 cache keeps it, expanded to the query heads: (heads, positions, d)."""
+    model.roundings = Roundings(cuda_activations=True, cuda_tf32=True, n_ubatch=n_ubatch)
+    model.row_tokens = _ubatch_sizes(len(tokens), n_ubatch)
     w, hp = model.weights, model.hp
     x = rms_norm(w["token_embd.weight"][tokens], w["blk.0.attn_norm.weight"], hp.eps)
     v = model._qkv(x, 0)[2].astype(np.float16).astype(np.float64)
@@ -427,6 +429,52 @@ def test_mmvf_threads_and_their_f16_sums_are_the_sources() -> None:
             expected[row] += acc.sum(axis=0)
     ours = cuda.mmvf_weighted_sum(p, v, cells)[0]
     assert np.abs(ours - expected).max() < 1e-12
+
+
+@pytest.mark.parametrize("target", ["f32", "q8_0", "q4_0", "q4_k_m", "q6_k"])
+def test_softmax_v_of_40_tokens_adds_runs_of_16_cells_in_f16_on_h200_tensors(
+    files: dict[str, Path], target: str
+) -> None:
+    """softmax·V at the last of 40 tokens in one ubatch (cuBLAS, f16 compute), from the run's
+    own softmax weights: the weights in f16, each run of 16 cells' products added to an f16
+    accumulator in cell order, exactly. Float32 sums of the f16 products, an f16 result
+    of them, and runs of 8 or 32 cells are all 1e-4 of the largest value or more away."""
+    model = ExactModel(files[target])
+    tensors = np.load(H200 / f"{target}-40.npz")
+    v = _values_of_layer0(model, tensors["tokens"], n_ubatch=512)
+    heads, n = model.hp.n_head, len(tensors["tokens"])
+    cells = len(tensors["kq_soft_max-0"]) // heads
+    p = tensors["kq_soft_max-0"].reshape(heads, cells)[:, None, :n].astype(np.float64)
+    theirs = tensors["kqv-0"].reshape(heads, -1).astype(np.float64)
+    assert _relative(cuda.cublas_f16_weighted_sum(p, v)[:, 0], theirs) == 0.0
+    float32_sums = np.einsum("hrn,hnd->hd", cuda.f16(p), v)
+    assert _relative(float32_sums, theirs) > 1e-4
+    assert _relative(cuda.f16(float32_sums), theirs) > 1e-4
+    for run in (8, 32):
+        acc = np.zeros_like(theirs)
+        for start in range(0, n, run):
+            acc = cuda.f16(
+                acc
+                + np.einsum(
+                    "hn,hnd->hd", cuda.f16(p[:, 0, start : start + run]), v[:, start : start + run]
+                )
+            )
+        assert _relative(acc, theirs) > 1e-4, run
+
+
+def test_f16_matmuls_of_40_tokens_add_runs_of_16_products_in_f16(
+    tmp_path: Path, files: dict[str, Path]
+) -> None:
+    """cuBLAS's f16 GEMM (an f16 weight, 40 tokens, the default precision) as the same sum:
+    the activations in f16, runs of 16 products added to an f16 accumulator, exactly."""
+    path = tmp_path / "f16.gguf"
+    quantize_in_child(files["f32"], path, "f16")
+    model, tensors = ExactModel(path), np.load(H200 / "f16-40.npz")
+    for given, made, weight in LAYER0 + MORE:
+        x, theirs = tensors[given].astype(np.float64), tensors[made].astype(np.float64)
+        ours = cuda.cublas_f16_weighted_sum(x[None, None], model.weights[weight].T[None])[0, 0]
+        assert _relative(ours, theirs) == 0.0, weight
+        assert _relative(cuda.f16(model.weights[weight] @ cuda.f16(x)), theirs) > 1e-4, weight
 
 
 def test_attention_rows_take_the_kernels_of_their_ubatch(files: dict[str, Path]) -> None:

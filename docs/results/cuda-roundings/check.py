@@ -9,14 +9,17 @@ input, computed four ways, against llama.cpp's captured output:
   tf32r  the same, rounded to nearest (ties to even)
   tf32a  the same, ties away from zero (as cvt.rna.tf32.f32)
   x16    the activations rounded to f16 (f16 weights' MMF and cuBLAS paths)
+  run16  f16 weights: the activations in f16, runs of 16 products added to an f16
+         accumulator (cuBLAS's f16 compute, cuda.cublas_f16_weighted_sum)
 and prints the largest difference relative to the output's largest value, per weight type
 and prompt length. An emulation that follows the kernel is at float32's level (about 1e-7);
 one that does not, at the rounding's own (1e-4 or more). Then the whole tiny models' first
 steps against the engine (whole_models). Run here, from the repository's root, on the
 captures' folder:
     .venv/bin/python docs/results/cuda-roundings/check.py docs/results/cuda-roundings/h200
-and, with ``attention`` after it, only the f16 file's one-token matmuls (``f16_one_token``)
-and layer 0's attention in one-token ubatches (``attention_ub1``, on h200-ub1 beside it).
+and, with ``attention`` after it, only the f16 file's one-token matmuls (``f16_one_token``),
+layer 0's attention in one-token ubatches (``attention_ub1``, on h200-ub1 beside it) and
+its softmax·V of 40 tokens in one ubatch (``attention_cublas``).
 The tiny models are made again from the same seed and checked against files.tsv."""
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 import hashlib
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +75,8 @@ def ways(model: ExactModel, x: np.ndarray, weight: str) -> dict[str, np.ndarray]
             out[name] = cuda.tf32(x, nearest) @ cuda.tf32(w[weight], nearest).T
         out["tf32a"] = tf32_away(x) @ tf32_away(w[weight]).T
         out["x16"] = x.astype(np.float16).astype(np.float64) @ w[weight].T
+        # cuBLAS's f16 compute: runs of 16 products added to an f16 accumulator
+        out["run16"] = cuda.cublas_f16_weighted_sum(x[None], w[weight].T[None])[0]
     if kind in cuda.EMULATED:
         for kernel in ("mmvq", "mmq"):
             out[kernel] = cuda.linear(x, w, weight, kernel)
@@ -133,6 +139,30 @@ def whole_models(captures: Path, folder: Path, n_ubatch: int = 512) -> None:
             )
 
 
+def attention_models(folder: Path) -> Iterator[tuple[str, ExactModel, np.ndarray]]:
+    """Each tiny model but the f16 file (CUDA's kernels for f16 weights are not followed),
+    with the KV head each query head reads."""
+    for target in TARGETS:
+        if target == "f16":
+            continue
+        model = ExactModel(make(folder, target))
+        hp = model.hp
+        yield target, model, np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)
+
+
+def layer0_qkv(model: ExactModel, tokens: np.ndarray, n_ubatch: int) -> tuple[np.ndarray, ...]:
+    """Layer 0's Q, K and V of ``tokens`` as CUDA's kernels compute them in ubatches of
+    ``n_ubatch`` tokens (before RoPE)."""
+    from qdiff.core.roundings import Roundings
+    from qdiff.exact.model import _ubatch_sizes, rms_norm
+
+    model.roundings = Roundings(cuda_activations=True, cuda_tf32=True, n_ubatch=n_ubatch)
+    model.row_tokens = _ubatch_sizes(len(tokens), n_ubatch)
+    w = model.weights
+    x = rms_norm(w["token_embd.weight"][tokens], w["blk.0.attn_norm.weight"], model.hp.eps)
+    return model._qkv(x, 0)
+
+
 def attention_ub1(captures: Path, folder: Path) -> None:
     """Layer 0's attention at the last of UB1_LAYER0 tokens, each token in its own ubatch,
     from the engine's Q, K and V (computed as the run's one-token kernels do, RoPE in
@@ -143,27 +173,17 @@ def attention_ub1(captures: Path, folder: Path) -> None:
     f16 weights and float32 sums (MMF, the CPU), and with every product rounded once and
     summed in float32, the largest difference, and how many of the 256 outputs the
     emulation leaves more than 1e-6 away."""
-    from qdiff.core.roundings import Roundings
-    from qdiff.exact.model import rms_norm, rope
+    from qdiff.exact.model import rope
 
-    def f16(a: np.ndarray) -> np.ndarray:
-        return a.astype(np.float16).astype(np.float64)
-
+    f16 = cuda.f16
     print(
         f"{'file':7} {'n':>3} {'cells':>5} K·Q: float32 Q (median, max), f16 Q | softmax·V: mmvf (outputs off), f16 weights, products once"
     )
-    for target in TARGETS:
-        if target == "f16":
-            continue
-        model = ExactModel(make(folder, target))
-        hp, w = model.hp, model.weights
-        heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)
+    for target, model, heads in attention_models(folder):
+        hp = model.hp
         for n in UB1_LAYER0:
             t = np.load(captures / f"{target}-ub1-{n}.npz")
-            model.roundings = Roundings(cuda_activations=True, cuda_tf32=True, n_ubatch=1)
-            model.row_tokens = np.ones(n, dtype=int)
-            x = rms_norm(w["token_embd.weight"][t["tokens"]], w["blk.0.attn_norm.weight"], hp.eps)
-            q, k, v = model._qkv(x, 0)
+            q, k, v = layer0_qkv(model, t["tokens"], 1)
             turn = model._rope_of(0)
             q, k = (rope(a, np.arange(n, dtype=np.float64), turn) for a in (q, k))
             keys, values = (f16(a)[:, heads].transpose(1, 0, 2) for a in (k, v))
@@ -184,6 +204,38 @@ def attention_ub1(captures: Path, folder: Path) -> None:
                 f"{np.median(kq_err[1]):.1e} {kq_err[1].max():.1e} | {mmvf.max():.1e} "
                 f"({(mmvf > 1e-6).sum()}), {weights16:.1e}, {once:.1e}"
             )
+
+
+def attention_cublas(captures: Path, folder: Path) -> None:
+    """softmax·V of layer 0 at the last of 40 tokens in one ubatch (cuBLAS, f16 compute),
+    from the engine's V (MMQ or TF32, stored in f16) and the run's own softmax weights:
+    runs of 8, 16 and 32 cells added to an f16 accumulator (cuda.cublas_f16_weighted_sum
+    takes 16), float32 sums of the f16 products, and those rounded to f16 once; the largest
+    difference relative to the largest value, and how many of the 256 outputs differ."""
+
+    def runs_of(size: int, p: np.ndarray, values: np.ndarray) -> np.ndarray:
+        acc = np.zeros((p.shape[0], values.shape[-1]))
+        for start in range(0, p.shape[1], size):
+            part = slice(start, start + size)
+            acc = cuda.f16(acc + np.einsum("hn,hnd->hd", cuda.f16(p[:, part]), values[:, part]))
+        return acc
+
+    print(
+        f"{'file':7} softmax·V of 40 tokens: runs of 8, 16, 32 cells in f16; float32 sums; those in f16"
+    )
+    for target, model, heads in attention_models(folder):
+        hp = model.hp
+        t = np.load(captures / f"{target}-40.npz")
+        n = len(t["tokens"])
+        values = cuda.f16(layer0_qkv(model, t["tokens"], 512)[2])[:, heads].transpose(1, 0, 2)
+        cells = len(t["kq_soft_max-0"]) // hp.n_head
+        p = t["kq_soft_max-0"].reshape(hp.n_head, cells)[:, :n].astype(np.float64)
+        kqv = t["kqv-0"].reshape(hp.n_head, -1).astype(np.float64)
+        float32 = np.einsum("hn,hnd->hd", cuda.f16(p), values)
+        ways_ = [runs_of(8, p, values), runs_of(16, p, values), runs_of(32, p, values)]
+        ways_ += [float32, cuda.f16(float32)]
+        errs = [np.abs(way - kqv) / np.abs(kqv).max() for way in ways_]
+        print(f"{target:7} " + " ".join(f"{e.max():.1e} ({(e > 0).sum()})" for e in errs))
 
 
 def f16_one_token(captures: Path, folder: Path) -> None:
@@ -211,6 +263,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             f16_one_token(captures, Path(folder))
             attention_ub1(captures.parent / "h200-ub1", Path(folder))
+            attention_cublas(captures, Path(folder))
         return
     digests = dict(
         line.split("\t") for line in (captures / "files.tsv").read_text().split("\n") if line
@@ -240,7 +293,7 @@ def main() -> None:
                         }
                         kind = model.weights.type_of(weight)
                         rows.append((target + flash, n, made, kind, errs))
-    names = ["plain", "cpu", "mmvq", "mmq", "tf32t", "tf32r", "tf32a", "x16"]
+    names = ["plain", "cpu", "mmvq", "mmq", "tf32t", "tf32r", "tf32a", "x16", "run16"]
     print(f"{'file':10} {'n':>3} {'output':12} {'type':5} " + " ".join(f"{k:>9}" for k in names))
     for target, n, made, kind, errs in rows:
         cells = " ".join(f"{errs[k]:9.2e}" if k in errs else f"{'':>9}" for k in names)

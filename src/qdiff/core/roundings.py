@@ -58,14 +58,11 @@ SOURCE_LABELS = {
     "gelu_table": "fp16 GELU table",
     "cuda_activations": "CUDA's q8_1 activations (MMVQ, MMQ)",
     "cuda_tf32": "CUDA's TF32 products of f32 weights",
-    "cuda_attention": "CUDA's attention (f16 softmax weights; f16 products for one token)",
+    "cuda_attention": "CUDA's attention (f16 softmax weights; f16 products for one token, f16 sums for more than 16)",
 }
 # what the engine does not follow (yet) of CUDA's arithmetic, where it acts: a residual
 # above the floor is expected there (docs/gpu-arithmetic.md)
 CUDA_FLASH = "flash attention's f16 Q, softmax weights and sums"
-CUDA_CUBLAS_SUMS = (
-    "softmax·V of ubatches of more than 16 tokens, summed in f16 by cuBLAS in an order not known"
-)
 CUDA_KV_F32 = "attention with an f32 KV cache (TF32 products above 3 tokens)"
 
 
@@ -78,7 +75,7 @@ def not_followed(settings: dict[str, Any]) -> list[str]:
         return [CUDA_FLASH]
     if settings.get("kv_cache_type", "f16") != "f16":
         return [CUDA_KV_F32]
-    return [CUDA_CUBLAS_SUMS] if _ubatch_of(settings) > 16 else []
+    return []
 
 
 def _ubatch_of(settings: dict[str, Any]) -> int:

@@ -216,7 +216,8 @@ def f32_linear(x: np.ndarray, w: np.ndarray, n_tokens: int) -> np.ndarray:
 # - one token, MMVF: K·Q in float32; softmax·V with f16 accumulators (mmvf_weighted_sum)
 # - 2-16 tokens, MMF: Q and the softmax weights rounded to f16, float32 sums (the CPU's)
 # - more, cuBLAS: K·Q with Q rounded to TF32; softmax·V with the weights in f16, summed by
-#   CUBLAS_COMPUTE_16F in an order the engine does not know (not followed)
+#   CUBLAS_COMPUTE_16F in runs of 16 cells into an f16 accumulator (measured:
+#   cublas_f16_weighted_sum)
 KV_PAD = 256  # llama_kv_cache::get_n_kv: the cells a ubatch sees, padded to a multiple
 MMVF_MAX_KV_CELLS = 512  # ggml_cuda_should_use_mmvf: K of more cells (and heads) takes MMF
 WARP = 32
@@ -269,3 +270,28 @@ def mmvf_weighted_sum(p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
             acc = f16(acc + weights[h, :, i, :, None] * values[h, i][None])
         out[h] = acc.sum(axis=1)
     return out
+
+
+CUBLAS_F16_RUN = 16  # cells whose products one step of cuBLAS's f16 GEMM adds at once
+
+
+def cublas_f16_weighted_sum(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """softmax·V of more than MMF_MAX_TOKENS rows as cuBLAS computes it at the default
+    precision (ggml_cuda_mul_mat_batched_cublas: CUBLAS_COMPUTE_16F, an f16 result that
+    ggml converts to float32): the weights ``p`` (heads, rows, keys, from the cache's first
+    cell) rounded to f16; the products of each run of CUBLAS_F16_RUN cells summed, and each
+    run's sum added in cell order to an f16 accumulator, every addition rounded to f16.
+    cuBLAS's source is not public: this is what the H200 gives at 40 tokens and 256 cells,
+    exactly on 7 of 9 tiny models' layer 0 and within one output of 256 on the others, and
+    what its f16 matmuls of 40 tokens give, exactly (docs/results/cuda-roundings); for other
+    shapes cuBLAS may pick another kernel (split K), not measured."""
+    heads, rows, keys = p.shape
+    n_runs = -(-keys // CUBLAS_F16_RUN)
+    pad = n_runs * CUBLAS_F16_RUN - keys
+    weights = np.pad(f16(p), ((0, 0), (0, 0), (0, pad)))
+    values = np.pad(v, ((0, 0), (0, pad), (0, 0)))
+    acc = np.zeros((heads, rows, v.shape[-1]))
+    for start in range(0, n_runs * CUBLAS_F16_RUN, CUBLAS_F16_RUN):
+        run = slice(start, start + CUBLAS_F16_RUN)
+        acc = f16(acc + weights[:, :, run] @ values[:, run])
+    return acc

@@ -180,7 +180,10 @@ def _softmax_attention(
     for start in range(0, n, ATTENTION_BLOCK):
         rows = slice(start, min(start + ATTENTION_BLOCK, n))
         seen = np.flatnonzero(~masked[rows].all(axis=0))
-        keys = slice(seen[0], seen[-1] + 1) if seen.size else slice(0, masked.shape[1])
+        # a backend's rounded sum depends on where each cell lies in the cache: from its
+        # first cell then (a masked cell weighs an exact 0)
+        first = seen[0] if weighted_sum is np.matmul else 0
+        keys = slice(first, seen[-1] + 1) if seen.size else slice(0, masked.shape[1])
         scores = how(qh[:, rows] @ kh[:, :, keys])  # (heads, queries, keys)
         np.copyto(scores, -np.inf, where=masked[rows, keys])
         scores -= scores.max(axis=-1, keepdims=True)
@@ -426,10 +429,13 @@ class ExactModel:
             return (q if n_cells <= cuda.MMVF_MAX_KV_CELLS else self.rounded(q, f16)), weigh
         if kernel == "mmf":
             return self.rounded(q, f16), self._f16_weights
-        return self.rounded(q, partial(cuda.tf32, nearest=True)), self._f16_weights
+        return self.rounded(q, partial(cuda.tf32, nearest=True)), self._cublas_weights
 
     def _mmvf_weights(self, p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
         return cuda.mmvf_weighted_sum(self.rounded(p, np.asarray), v, n_cells)
+
+    def _cublas_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return cuda.cublas_f16_weighted_sum(self.rounded(p, np.asarray), v)
 
     def _feed_forward(self, x: np.ndarray, layer: int) -> np.ndarray:
         p = f"blk.{layer}."
