@@ -81,6 +81,9 @@ def test_the_long_generations_config_is_the_default_with_longer_texts() -> None:
         "docs/results/perplexity/config.yaml",
         "docs/results/perplexity/config-gemma.yaml",
         "docs/results/seed-long/config.yaml",
+        "docs/results/reference-model/config.yaml",
+        "docs/results/bench-epyc/config-text.yaml",
+        "docs/results/bench-h200/config-text.yaml",
     ],
 )
 def test_the_shipped_configs_score_the_text_setup_fetches(name: str) -> None:
