@@ -165,7 +165,7 @@ def inference_floor(workdir: Path) -> float:
 
 
 def _time_windows(
-    loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: list[float]
+    loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: dict[str, float]
 ) -> None:
     """Score each window bare and as the stage does, ``TEXT_REPEATS`` times each way in
     turn, and add the fastest of each way: on a shared machine noise only adds time."""
@@ -184,15 +184,15 @@ def _time_windows(
             else:
                 score_window(loaded, recorder, w, window, None if ids is None else ids[w])
             fastest[way] = min(fastest[way], time.perf_counter() - start)
-        took[0] += fastest["bare"]
-        took[1] += fastest["stage"]
-        took[2] += 1
+        took["bare"] += fastest["bare"]
+        took["stage"] += fastest["stage"]
+        took["windows"] += 1
 
 
 TEXT_REPEATS = 3  # times each window is scored each way
 
 
-def text_interleaved(workdir: Path) -> dict[str, list[float]]:
+def text_interleaved(workdir: Path) -> dict[str, dict[str, float]]:
     """The text stage's recording against bare scoring, in one process on one loaded model:
     per combination of the experiment, each window scored bare (``LoadedModel.score``) and
     as the stage scores and records it (``score_window``, at its teacher's slice ids from the
@@ -210,7 +210,7 @@ def text_interleaved(workdir: Path) -> dict[str, list[float]]:
 
     experiment, _ = validate(yaml.safe_load(Path("config/config.yaml").read_text()), Path.cwd())
     log = init_backend(workdir / "text-floor-errors.txt")
-    took: dict[str, list[float]] = {}
+    took: dict[str, dict[str, float]] = {}  # by backend
     for combo in experiment.all_combinations():
         spec = experiment.spec(TEXT, combo)
         settings = DeviceSettings.from_config(spec["settings"])
@@ -230,7 +230,8 @@ def text_interleaved(workdir: Path) -> dict[str, list[float]]:
                 loaded.bos_added(),
             )
             top_k = ids.shape[-1] if ids is not None else min(spec["text"]["top_k"], loaded.n_vocab)
-            _time_windows(loaded, cut, ids, top_k, took.setdefault(settings.backend, [0, 0, 0]))
+            zero = {"bare": 0.0, "stage": 0.0, "windows": 0.0}
+            _time_windows(loaded, cut, ids, top_k, took.setdefault(settings.backend, zero))
     del log
     return took
 
@@ -250,7 +251,8 @@ def text_stage(workdir: Path) -> None:
         print("  text stage: no ok text record (is text enabled in the config?)")
         return
     by_backend = json.loads(" ".join(child("_text_interleaved", str(workdir))))
-    for backend, (bare, stage, n) in by_backend.items():
+    for backend, took in by_backend.items():
+        bare, stage, n = took["bare"], took["stage"], took["windows"]
         line(
             f"text stage / bare scoring, {backend}",
             stage / bare,

@@ -213,13 +213,6 @@ def attention_cublas(captures: Path, folder: Path) -> None:
     takes 16), float32 sums of the f16 products, and those rounded to f16 once; the largest
     difference relative to the largest value, and how many of the 256 outputs differ."""
 
-    def runs_of(size: int, p: np.ndarray, values: np.ndarray) -> np.ndarray:
-        acc = np.zeros((p.shape[0], values.shape[-1]))
-        for start in range(0, p.shape[1], size):
-            part = slice(start, start + size)
-            acc = cuda.f16(acc + np.einsum("hn,hnd->hd", cuda.f16(p[:, part]), values[:, part]))
-        return acc
-
     print(
         f"{'file':7} softmax·V of 40 tokens: runs of 8, 16, 32 cells in f16; float32 sums; those in f16"
     )
@@ -232,7 +225,7 @@ def attention_cublas(captures: Path, folder: Path) -> None:
         p = t["kq_soft_max-0"].reshape(hp.n_head, cells)[:, :n].astype(np.float64)
         kqv = t["kqv-0"].reshape(hp.n_head, -1).astype(np.float64)
         float32 = np.einsum("hn,hnd->hd", cuda.f16(p), values)
-        ways_ = [runs_of(8, p, values), runs_of(16, p, values), runs_of(32, p, values)]
+        ways_ = [cuda.cublas_f16_weighted_sum(p[:, None], values, r)[:, 0] for r in (8, 16, 32)]
         ways_ += [float32, cuda.f16(float32)]
         errs = [np.abs(way - kqv) / np.abs(kqv).max() for way in ways_]
         print(f"{target:7} " + " ".join(f"{e.max():.1e} ({(e > 0).sum()})" for e in errs))

@@ -275,23 +275,26 @@ def mmvf_weighted_sum(p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
 CUBLAS_F16_RUN = 16  # cells whose products one step of cuBLAS's f16 GEMM adds at once
 
 
-def cublas_f16_weighted_sum(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+def cublas_f16_weighted_sum(
+    p: np.ndarray, v: np.ndarray, run_cells: int = CUBLAS_F16_RUN
+) -> np.ndarray:
     """softmax·V of more than MMF_MAX_TOKENS rows as cuBLAS computes it at the default
     precision (ggml_cuda_mul_mat_batched_cublas: CUBLAS_COMPUTE_16F, an f16 result that
     ggml converts to float32): the weights ``p`` (heads, rows, keys, from the cache's first
-    cell) rounded to f16; the products of each run of CUBLAS_F16_RUN cells summed, and each
+    cell) rounded to f16; the products of each run of ``run_cells`` cells summed, and each
     run's sum added in cell order to an f16 accumulator, every addition rounded to f16.
     cuBLAS's source is not public: this is what the H200 gives at 40 tokens and 256 cells,
     exactly on 7 of 9 tiny models' layer 0 and within one output of 256 on the others, and
     what its f16 matmuls of 40 tokens give, exactly (docs/results/cuda-roundings); for other
-    shapes cuBLAS may pick another kernel (split K), not measured."""
+    shapes cuBLAS may pick another kernel (split K), not measured. Other ``run_cells``
+    are the alternatives the measurement rules out."""
     heads, rows, keys = p.shape
-    n_runs = -(-keys // CUBLAS_F16_RUN)
-    pad = n_runs * CUBLAS_F16_RUN - keys
+    n_runs = -(-keys // run_cells)
+    pad = n_runs * run_cells - keys
     weights = np.pad(f16(p), ((0, 0), (0, 0), (0, pad)))
     values = np.pad(v, ((0, 0), (0, pad), (0, 0)))
     acc = np.zeros((heads, rows, v.shape[-1]))
-    for start in range(0, n_runs * CUBLAS_F16_RUN, CUBLAS_F16_RUN):
-        run = slice(start, start + CUBLAS_F16_RUN)
+    for start in range(0, n_runs * run_cells, run_cells):
+        run = slice(start, start + run_cells)
         acc = f16(acc + weights[:, :, run] @ values[:, run])
     return acc
