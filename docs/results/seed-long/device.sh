@@ -17,7 +17,8 @@
 #   device.sh part vk       keep vk12 and vk13 for a Vulkan build (a call of their own)
 #   device.sh build [BACKENDS]  unpack the sdist, start the build (default cuda,vulkan;
 #                           `cuda` alone needs no `part vk`) in the background
-#   device.sh part NAME     install the wheels (whl) or keep one part of the model (p00 …),
+#   device.sh part NAME     install the wheels (whl, then whl2 where carry.sh made it) or
+#                           keep one part of the model (p00 …),
 #                           one call each: with the tree, each fills most of a call's 64 MiB
 #   device.sh run [CONFIG]  assemble the model from the parts kept, wait for the build, show the backends, start
 #                           the workflow (default this folder's config.yaml) in the
@@ -61,8 +62,8 @@ $(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args "$backends")"
     echo "build started"
     ;;
 part)
-    if [ "$2" = whl ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/whl/*.whl
+    if [ "$2" = whl ] || [ "$2" = whl2 ]; then # whl2: the wheels that did not fit beside whl
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" ".carry/$2"/*.whl
     elif [ "$2" = vk ]; then # before `build cuda,vulkan`: beside the sdist they overfill a call
         mkdir -p /tmp/debs && cp -r .carry/vk12 .carry/vk13 /tmp/debs/
     else

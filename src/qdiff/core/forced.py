@@ -17,6 +17,7 @@ logits), 640 MiB per combination for the default experiment. Each position is ke
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -140,15 +141,40 @@ def log_sum_exp_rows(rows: np.ndarray, block: int = 16) -> np.ndarray:
     return out
 
 
+# Each worker of ``add_rows`` converts a block of 16 rows to float64 (32 MiB for Gemma's
+# 262,144 logits): beyond 8 the memory grows and the memory bus, not the cores, sets the pace.
+MAX_WORKERS = 8
+
+
+def recording_workers() -> int:
+    """The CPUs this process may run on (a SLURM job's share, or the machine's), at most
+    ``MAX_WORKERS``: a stage records its rows after llama.cpp has computed them, so the
+    job's cores are free then."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        cpus = os.cpu_count() or 1
+    return min(MAX_WORKERS, cpus)
+
+
 class ForcedRecorder:
     """Collects the compact per-position summaries of one combination's forced pass."""
 
     def __init__(
-        self, n_prompts: int, max_len: int, top_k: int, dtype: type = np.float32, n_top: int = 2
+        self,
+        n_prompts: int,
+        max_len: int,
+        top_k: int,
+        dtype: type = np.float32,
+        n_top: int = 2,
+        workers: int | None = None,
     ) -> None:
         """``dtype`` of the kept logits: float32 as llama.cpp computes them, float64 for the
-        exact reference (qdiff.exact); ``n_top``: own leading tokens kept (at least 2)."""
+        exact reference (qdiff.exact); ``n_top``: own leading tokens kept (at least 2);
+        ``workers``: threads ``add_rows`` shares its rows among (default: the CPUs this
+        process may run on, at most ``MAX_WORKERS``)."""
         self.top_k, self.n_top = top_k, n_top
+        self.workers = max(1, workers if workers is not None else recording_workers())
         shape = (n_prompts, max_len)
         self.arrays: dict[str, np.ndarray] = {
             "n_prompt_tokens": np.zeros(n_prompts, np.int32),
@@ -181,10 +207,7 @@ class ForcedRecorder:
         None on the teacher itself (then its own top-k become the slice); ``known``: the
         logits' log_sum_exp, digest and own leading ids where they are known (``add_rows``).
         Returns the ids."""
-        if known is not None and ids is not None:
-            own = known[2]
-        else:
-            own = top_ids(logits, max(self.n_top, self.top_k if ids is None else 0))
+        own = known[2] if known is not None else top_ids(logits, self._own_ranked(ids))
         ids = own[: self.top_k] if ids is None else ids
         a = self.arrays
         a["slice_ids"][p, t, : len(ids)] = ids
@@ -198,21 +221,35 @@ class ForcedRecorder:
         a["forced_logprob"][p, t] = float(logits[a["tokens"][p, t]]) - lse
         return ids
 
+    def _own_ranked(self, ids: np.ndarray | None) -> int:
+        """How many of a row's own leading ids to rank: on the teacher itself (``ids`` None)
+        its top_k, which become the slice."""
+        return max(self.n_top, self.top_k if ids is None else 0)
+
     def add_rows(self, p: int, rows: np.ndarray, ids: np.ndarray | None) -> None:
         """Record positions 0 .. len(rows) - 1 of prompt ``p`` at once (``ids``: the
         teacher's slice ids of each, or None), as ``add`` records each."""
 
-        # hashing and numpy's loops release the GIL: the digests and the leading ids come
-        # from a second thread while this one sums the exponentials
-        def hashed_and_leading() -> tuple[list[int], np.ndarray]:
-            # on the teacher itself (ids None) ``add`` ranks each row's top_k anyway
-            leads = leading_ids(rows, ids, self.n_top) if ids is not None else rows[:, :0]
-            return [digest(row) for row in rows], leads
+        # a row's log-sum-exp, digest and own leading ids are all of its work over the whole
+        # vocabulary: each worker takes a share of the rows (numpy's loops and hashing
+        # release the GIL), as llama-perplexity shares its positions among threads
+        def summaries(lo: int, hi: int) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
+            part = rows[lo:hi]
+            if ids is None:
+                own = [top_ids(row, self._own_ranked(None)) for row in part]
+            else:
+                own = list(leading_ids(part, ids[lo:hi], self.n_top))
+            return log_sum_exp_rows(part), [digest(row) for row in part], own
 
-        with ThreadPoolExecutor(1) as pool:
-            other = pool.submit(hashed_and_leading)
-            lse = log_sum_exp_rows(rows)
-            digests, leads = other.result()
-            for t, (logits, hashed) in enumerate(zip(rows, digests, strict=True)):
-                known = (float(lse[t]), hashed, leads[t])
-                self.add(p, t, logits, None if ids is None else ids[t], known)
+        shares = np.linspace(0, len(rows), min(self.workers, len(rows)) + 1).astype(int)
+        with ThreadPoolExecutor(max(1, len(shares) - 1)) as pool:
+            done = list(pool.map(summaries, shares[:-1], shares[1:]))
+        for t, known in enumerate(
+            zip(
+                (float(x) for d in done for x in d[0]),
+                (h for d in done for h in d[1]),
+                (o for d in done for o in d[2]),
+                strict=True,
+            )
+        ):
+            self.add(p, t, rows[t], None if ids is None else ids[t], known)
