@@ -141,8 +141,8 @@ def log_sum_exp_rows(rows: np.ndarray, block: int = 16) -> np.ndarray:
     return out
 
 
-# Each worker of ``add_rows`` converts a block of 16 rows to float64 (32 MiB for Gemma's
-# 262,144 logits): beyond 8 the memory grows and the memory bus, not the cores, sets the pace.
+# Each worker of ``add_rows`` holds a block of 16 rows in float64 (32 MiB for Gemma's
+# 262,144 logits): the cap bounds that memory on many-core machines.
 MAX_WORKERS = 8
 
 
@@ -244,12 +244,8 @@ class ForcedRecorder:
         shares = np.linspace(0, len(rows), min(self.workers, len(rows)) + 1).astype(int)
         with ThreadPoolExecutor(max(1, len(shares) - 1)) as pool:
             done = list(pool.map(summaries, shares[:-1], shares[1:]))
-        for t, known in enumerate(
-            zip(
-                (float(x) for d in done for x in d[0]),
-                (h for d in done for h in d[1]),
-                (o for d in done for o in d[2]),
-                strict=True,
-            )
-        ):
-            self.add(p, t, rows[t], None if ids is None else ids[t], known)
+        lse = [float(x) for share in done for x in share[0]]
+        digests = [h for share in done for h in share[1]]
+        own = [o for share in done for o in share[2]]
+        for t, row in enumerate(rows):
+            self.add(p, t, row, None if ids is None else ids[t], (lse[t], digests[t], own[t]))
