@@ -201,16 +201,12 @@ if ! parts_ok; then
 fi
 PARTS=("$C"/p[0-9][0-9])
 
-# --- the wheels in two calls when they overfill one beside the tree (the largest to whl2) -
-if [ $((LIMIT - tree - $(find "$C/whl" -type f -printf '%s\n' | sum))) -lt "$SPARE" ]; then
-    mkdir -p "$C/whl2"
-    while [ $((LIMIT - tree - $(find "$C/whl" -type f -printf '%s\n' | sum))) -lt "$SPARE" ]; do
-        mv "$(ls -S "$C"/whl/*.whl | head -1)" "$C/whl2/"
-    done
-fi
-
 # --- the size budget ---------------------------------------------------------------------
 bytes() { find "$@" -type f -printf '%s\n' | sum; }
+# the wheels in two calls when they overfill one beside the tree (the largest to whl2)
+while [ $((LIMIT - tree - $(bytes "$C/whl"))) -lt "$SPARE" ]; do
+    mkdir -p "$C/whl2" && mv "$(ls -S "$C"/whl/*.whl | head -1)" "$C/whl2/"
+done
 tracked=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | sum) || true
 ok=1
 check() { # check NAME BYTES: the tree plus BYTES against the limit
