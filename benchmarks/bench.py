@@ -15,9 +15,11 @@ It runs, in a scratch directory (``--workdir``, default a temporary one):
    no child processes), alternately; each pipeline is also set against the inference its own
    run records give, which splits the ratio into what the pipeline adds around its inference
    and how that inference compares with the floor;
-3. the text stage (when the experiment scores a text): its scoring time against the same
-   windows decoded in a bare loop (``LoadedModel.score``, no recording; target at most 1.2x),
-   and the float64 engine along the text against the f32 copy's scoring (target at most 3x;
+3. the text stage (when the experiment scores a text; ``--only text`` runs the experiment and
+   this part alone): its scoring time against the same windows decoded in a bare loop
+   (``LoadedModel.score``, no recording; target at most 1.2x), with ``--llama-perplexity BIN``
+   against llama.cpp's own tool on the same files and settings (target at most 1.2x), and
+   the float64 engine along the text against the f32 copy's scoring (target at most 3x;
    ``--only exact-text --workdir DIR`` reads it from a finished run's records in DIR);
 4. comparison throughput: ``qdiff.compare.pairs.compare_model`` on one thread, reading the arrays
    from disk, on synthetic logits of Gemma 3's 262,144-token vocabulary and on the
@@ -167,35 +169,36 @@ def inference_floor(workdir: Path) -> float:
 def _time_windows(
     loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: dict[str, float]
 ) -> None:
-    """Score each window bare and as the stage does, ``TEXT_REPEATS`` times each way in
-    turn, and add the fastest of each way: on a shared machine noise only adds time."""
+    """Score the windows bare and as the stage does (``score_windows``, which on a GPU
+    records a window while the next is scored), ``TEXT_REPEATS`` times each way in turn, and
+    add the fastest of each way: on a shared machine noise only adds time."""
     from qdiff.core.forced import ForcedRecorder
     from qdiff.core.text import LEADING_KEPT, split
-    from qdiff.engine.worker import score_window
+    from qdiff.engine.worker import score_windows
 
     recorder = ForcedRecorder(len(cut), len(split(cut[0])[1]), top_k, n_top=LEADING_KEPT)
-    for w, window in enumerate(cut):
-        fastest = {"bare": float("inf"), "stage": float("inf")}
-        for r in range(2 * TEXT_REPEATS):
-            way = ("bare", "stage")[(r + w) % 2]
-            start = time.perf_counter()
-            if way == "bare":
+    fastest = {"bare": float("inf"), "stage": float("inf")}
+    for r in range(2 * TEXT_REPEATS):
+        way = ("bare", "stage")[r % 2]
+        start = time.perf_counter()
+        if way == "bare":
+            for window in cut:
                 loaded.score(window, len(split(window)[0]) - 1)
-            else:
-                score_window(loaded, recorder, w, window, None if ids is None else ids[w])
-            fastest[way] = min(fastest[way], time.perf_counter() - start)
-        took["bare"] += fastest["bare"]
-        took["stage"] += fastest["stage"]
-        took["windows"] += 1
+        else:
+            score_windows(loaded, recorder, cut, ids)
+        fastest[way] = min(fastest[way], time.perf_counter() - start)
+    took["bare"] += fastest["bare"]
+    took["stage"] += fastest["stage"]
+    took["windows"] += len(cut)
 
 
-TEXT_REPEATS = 3  # times each window is scored each way
+TEXT_REPEATS = 3  # times the windows are scored each way
 
 
 def text_interleaved(workdir: Path) -> dict[str, dict[str, float]]:
     """The text stage's recording against bare scoring, in one process on one loaded model:
-    per combination of the experiment, each window scored bare (``LoadedModel.score``) and
-    as the stage scores and records it (``score_window``, at its teacher's slice ids from the
+    per combination of the experiment, its windows scored bare (``LoadedModel.score``) and
+    as the stage scores and records them (``score_windows``, at its teacher's slice ids from the
     experiment's results), in turn. Per backend: seconds of each (sums of the fastest) and
     the windows timed."""
     os.chdir(workdir)
@@ -236,6 +239,105 @@ def text_interleaved(workdir: Path) -> dict[str, dict[str, float]]:
     return took
 
 
+# llama-perplexity's log lines that bracket its scoring of the windows (--log-timestamps
+# stamps them "minutes.seconds.ms.us"): what lies between them is the tool's own work on the
+# windows, neither the model's loading nor the text's tokenizing
+_PERPLEXITY_STAMP = re.compile(
+    r"(\d+)\.(\d+)\.(\d+)\.(\d+) I (?:perplexity: calculating perplexity over|Final estimate)"
+)
+
+
+def perplexity_arguments(settings: Any, n_ctx: int, device: str) -> list[str]:
+    """llama-perplexity's options for a qdiff device's settings, as qdiff.engine.model sets
+    the text stage's context (one window a sequence; ``device``: the ggml device's name, or
+    "none" on the CPU)."""
+    args = [
+        *("-c", str(n_ctx), "-b", str(min(settings.n_batch, n_ctx))),
+        *("-ub", str(min(settings.n_ubatch, settings.n_batch, n_ctx))),
+        *("-t", str(settings.threads), "-tb", str(settings.threads)),
+        *("-fa", "on" if settings.flash_attn else "off"),
+        *("-ctk", settings.kv_cache_type, "-ctv", settings.kv_cache_type),
+        *("-ngl", "999" if settings.on_gpu else "0", "-sm", "none"),
+        *("-dev", device),
+    ]
+    if not settings.extra_bufts:
+        args.append("--no-repack")
+    if not (settings.on_gpu and settings.op_offload):
+        args.append("--no-op-offload")
+    return args
+
+
+def perplexity_seconds(binary: str, model: str, text: str, args: list[str], chunks: int) -> float:
+    """Seconds llama-perplexity takes over the first ``chunks`` windows of the text, by its
+    own log's time stamps."""
+    command = [binary, "-m", model, "-f", text, *args, "--chunks", str(chunks)]
+    proc = subprocess.run(
+        [*command, "--log-prefix", "--log-timestamps"], capture_output=True, text=True
+    )
+    stamps = [
+        int(m) * 60 + int(s) + int(ms) / 1e3 + int(us) / 1e6
+        for m, s, ms, us in _PERPLEXITY_STAMP.findall(proc.stdout + proc.stderr)
+    ]
+    if proc.returncode != 0 or len(stamps) != 2:
+        sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return stamps[1] - stamps[0]
+
+
+def perplexity_interleaved(workdir: Path, binary: str) -> dict[str, dict[str, float]]:
+    """llama-perplexity (``binary``) on each text combination's file and device settings:
+    the seconds of its windows 2 .. n + 1 (n: the config's text.windows): a run over n + 1
+    windows less one over the first alone, as a fresh process's first window carries one-off
+    costs that the stage's timing (the fastest of repeated passes) does not; the fastest of
+    ``TEXT_REPEATS`` runs each. Per backend: seconds and windows timed."""
+    os.chdir(workdir)
+    from qdiff.core.config import model_file, validate
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.core.stages import TEXT
+    from qdiff.engine.devices import backend_devices, devices_for_backend
+
+    experiment, _ = validate(yaml.safe_load(Path("config/config.yaml").read_text()), Path.cwd())
+    took: dict[str, dict[str, float]] = {}  # by backend
+    for combo in experiment.all_combinations():
+        spec = experiment.spec(TEXT, combo)
+        settings = DeviceSettings.from_config(spec["settings"])
+        found = devices_for_backend(settings.backend, backend_devices())
+        device = found[settings.main_gpu].name if settings.on_gpu else "none"
+        args = perplexity_arguments(settings, spec["text"]["n_ctx"], device)
+        n = spec["text"]["windows"]
+        model, text = model_file(combo.model, combo.dequant), spec["text"]["file"]
+        fastest = {1: float("inf"), 1 + n: float("inf")}
+        for r in range(2 * TEXT_REPEATS):
+            chunks = (1, 1 + n)[r % 2]
+            fastest[chunks] = min(
+                fastest[chunks], perplexity_seconds(binary, model, text, args, chunks)
+            )
+        mine = took.setdefault(settings.backend, {"seconds": 0.0, "windows": 0.0})
+        mine["seconds"] += fastest[1 + n] - fastest[1]
+        mine["windows"] += n
+    return took
+
+
+def perplexity_against_stage(
+    workdir: Path, binary: Path, stage: dict[str, dict[str, float]]
+) -> None:
+    """The text stage's windows (``stage``: text_interleaved's) against llama-perplexity's
+    own, per window, per backend."""
+    tool = json.loads(" ".join(child("_perplexity", str(workdir), str(binary))))
+    for backend, took in tool.items():
+        ours = stage[backend]["stage"] / stage[backend]["windows"]
+        theirs = took["seconds"] / took["windows"]
+        line(
+            f"text stage / llama-perplexity, {backend}",
+            ours / theirs,
+            "x",
+            1.20,
+            "lower",
+            f"seconds a window: {ours:.3f} scored and recorded by the stage, {theirs:.3f} by "
+            f"llama-perplexity ({took['windows']:.0f} windows of the same files and settings, "
+            f"its first window's time subtracted, the fastest of {TEXT_REPEATS} runs each)",
+        )
+
+
 def ok_text_records(workdir: Path) -> list[dict[str, Any]]:
     from qdiff.core.stages import TEXT
 
@@ -243,9 +345,10 @@ def ok_text_records(workdir: Path) -> list[dict[str, Any]]:
     return [r for r in records if r["status"] == "ok"]
 
 
-def text_stage(workdir: Path) -> None:
+def text_stage(workdir: Path, perplexity: Path | None) -> None:
     """The text stage's scoring against the bare loop, and the exact engine along the text
-    against the f32 copies' scoring (each model's exact job over its f32 combinations' mean)."""
+    against the f32 copies' scoring (each model's exact job over its f32 combinations' mean);
+    with ``perplexity`` (a llama-perplexity binary), the stage against that tool too."""
     ok = ok_text_records(workdir)
     if not ok:
         print("  text stage: no ok text record (is text enabled in the config?)")
@@ -259,10 +362,12 @@ def text_stage(workdir: Path) -> None:
             "x",
             1.20,
             "lower",
-            f"one process, {n:.0f} windows of its combinations, each scored "
-            f"{TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.1f} s scored "
+            f"one process, {n:.0f} windows of its combinations, a combination's windows "
+            f"scored {TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.1f} s scored "
             f"and recorded, {bare:.1f} s scored bare",
         )
+    if perplexity is not None:
+        perplexity_against_stage(workdir, perplexity, by_backend)
     exact_text(workdir, ok)
 
 
@@ -430,18 +535,31 @@ def pipeline_against_floor(runs: Path, cores: int, repeat: int) -> None:
     )
 
 
-def pipeline(args: argparse.Namespace, workdir: Path) -> None:
+def experiment(args: argparse.Namespace, workdir: Path) -> tuple[Path, float, str]:
+    """The experiment of ``--config`` run in ``workdir``/experiment: its folder, and the
+    seconds and output of its snakemake command."""
     from qdiff.core.text import DEFAULT_TEXT
 
-    config = experiment_config(args.config)
     full = workdir / "experiment"
-    write_config(full, config)
+    write_config(full, experiment_config(args.config))
     texts = full / DEFAULT_TEXT.parent  # the default text's folder, which ./setup fills
     if not texts.exists():
         texts.parent.mkdir(parents=True, exist_ok=True)
         texts.symlink_to(REPO / DEFAULT_TEXT.parent)
     print(f"experiment: {args.config} in {full}", flush=True)
     first, out = snakemake(full, args.cores)
+    return full, first, out
+
+
+def text_only(args: argparse.Namespace, workdir: Path) -> None:
+    """``--only text``: the experiment, then the text stage's lines alone."""
+    full, first, out = experiment(args, workdir)
+    print(f"  experiment: {sum(job_counts(out).values())} jobs in {first:.1f} s")
+    text_stage(full, args.llama_perplexity)
+
+
+def pipeline(args: argparse.Namespace, workdir: Path) -> None:
+    full, first, out = experiment(args, workdir)
     counts = job_counts(out)
     noop, noop_min, out = median_wall(full, args.cores, 5)
     assert "Nothing to be done" in out, "the rerun of a complete experiment planned jobs"
@@ -453,11 +571,11 @@ def pipeline(args: argparse.Namespace, workdir: Path) -> None:
     )
 
     serving_overhead(full)
-    text_stage(full)
+    text_stage(full, args.llama_perplexity)
 
     runs = workdir / "runs-only"
     shutil.copytree(full / "resources", runs / "resources", copy_function=os.link)
-    write_config(runs, runs_only(config))
+    write_config(runs, runs_only(experiment_config(args.config)))
     snakemake(runs, args.cores, "--dry-run")  # the first parse hashes the model files
     pipeline_against_floor(runs, args.cores, args.repeat)
     line("no-op rerun", noop, "s", 2.0, "lower", f"median of 5; least {noop_min:.2f} s")
@@ -653,6 +771,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_text_interleaved":
         print(json.dumps(text_interleaved(Path(sys.argv[2]))))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_perplexity":
+        print(json.dumps(perplexity_interleaved(Path(sys.argv[2]), sys.argv[3])))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_compare":
         n, seconds = throughput(json.loads(sys.argv[2]), sys.argv[3])
         print(n, seconds)
@@ -671,17 +792,25 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=5, help="pipeline and floor runs, alternately (default 5)"
     )
+    parser.add_argument(
+        "--llama-perplexity",
+        type=Path,
+        help="a llama-perplexity built from the llama.cpp that llama-cpp-python vendors "
+        "(docs/results/perplexity/validate.sh builds one): the text stage is timed against it",
+    )
     parser.add_argument("--compare-runs", type=int, default=30)
     parser.add_argument("--compare-prompts", type=int, default=8)
     parser.add_argument(
         "--only",
-        choices=("pipeline", "compare", "planning", "exact-text"),
+        choices=("pipeline", "text", "compare", "planning", "exact-text"),
         action="append",
-        help="run only these parts (repeatable); exact-text reads the records of a finished "
-        "run in --workdir",
+        help="run only these parts (repeatable); text: the experiment and the text stage's "
+        "lines; exact-text reads the records of a finished run in --workdir",
     )
     args = parser.parse_args()
     args.config = args.config.resolve()
+    if args.llama_perplexity:
+        args.llama_perplexity = args.llama_perplexity.resolve()
     parts = args.only or ["pipeline", "compare", "planning"]
     if "exact-text" in parts and not args.workdir:
         sys.exit("--only exact-text reads a finished run's records: give its --workdir")
@@ -695,6 +824,7 @@ def main() -> None:
     for part in parts:
         parts_by_name = {
             "pipeline": pipeline,
+            "text": text_only,
             "compare": compare,
             "planning": planning,
             "exact-text": exact_text_of_a_run,

@@ -356,3 +356,35 @@ def test_the_recording_takes_the_cpus_the_process_may_run_on() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "1"]
     assert 1 <= recording_workers() <= min(MAX_WORKERS, len(os.sched_getaffinity(0)))
+
+
+def test_windows_recorded_beside_the_next_ones_scoring_are_recorded_alike(tiny_gguf) -> None:
+    """On a GPU the stage records a window while the next is scored: real llama.cpp scoring
+    of a tiny model, recorded so and one window after another, gives the same arrays, on the
+    teacher and at its ids."""
+    from qdiff.core.forced import ARRAY_NAMES
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.core.text import LEADING_KEPT
+    from qdiff.engine.log import init_backend
+    from qdiff.engine.model import LoadedModel
+    from qdiff.engine.worker import score_windows
+
+    log = init_backend()  # kept while llama.cpp runs
+    with LoadedModel(tiny_gguf, DeviceSettings(backend="cpu", threads=1), 32) as model:
+        text = " ".join(f"word{i} and more {i * 7}" for i in range(80))
+        cut = windows(model.tokenize(text, parse_special=False), 32, 5, model.bos_added())
+        assert len(cut) == 5
+        passes = {}
+        for teacher in (True, False):
+            ids = None if teacher else passes[True, False]["slice_ids"]
+            for overlap in (False, True):
+                recorder = ForcedRecorder(len(cut), len(split(cut[0])[1]), 6, n_top=LEADING_KEPT)
+                score_windows(model, recorder, cut, ids, overlap=overlap)
+                passes[teacher, overlap] = recorder.arrays
+    del log
+    for teacher in (True, False):
+        for name in ARRAY_NAMES:
+            np.testing.assert_array_equal(
+                passes[teacher, True][name], passes[teacher, False][name], err_msg=name
+            )
+    assert np.isfinite(passes[False, True]["lse"]).all()

@@ -23,7 +23,9 @@
 # docs/results/seed-long/device.sh's (`build cuda`, `part whl`, `part p00` … `part p08`, as
 # its carry.sh makes them), and `bench [CONFIG] [BENCH ARGUMENTS]` takes the parts it kept
 # and the config to run (default this folder's config.yaml); a config that scores the text
-# needs resources/texts (./setup's) carried.
+# needs resources/texts (./setup's) carried. The text stage against llama.cpp's own tool:
+# `build cuda perplexity`, then `bench docs/results/bench-h200/config-text.yaml --only text
+# --llama-perplexity /tmp/llama-build/bin/llama-perplexity`.
 set -euo pipefail
 SITE=/tmp/site
 RUN=/tmp/qdiff-bench # a copy of the tree: each call copies the working tree anew

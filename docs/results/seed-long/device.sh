@@ -15,8 +15,10 @@
 # and resources/texts (./setup's Macbeth) carried as it is.
 #
 #   device.sh part vk       keep vk12 and vk13 for a Vulkan build (a call of their own)
-#   device.sh build [BACKENDS]  unpack the sdist, start the build (default cuda,vulkan;
-#                           `cuda` alone needs no `part vk`) in the background
+#   device.sh build [BACKENDS] [perplexity]  unpack the sdist, start the build (default
+#                           cuda,vulkan; `cuda` alone needs no `part vk`) in the background;
+#                           with `perplexity`, llama-perplexity too (benchmarks/bench.py's
+#                           --llama-perplexity)
 #   device.sh part NAME     install the wheels (whl, then whl2 where carry.sh made it) or
 #                           keep one part of the model (p00 …),
 #                           one call each: with the tree, each fills most of a call's 64 MiB
@@ -31,6 +33,7 @@ SITE=/tmp/site
 # The workflow runs in a copy of the tree: each `device` call copies the working tree anew,
 # and a file replaced under a running job fails it.
 RUN=/tmp/qdiff-run
+PERPLEXITY_BUILD=/tmp/llama-build # `build … perplexity`: bin/llama-perplexity beside the wheel's libraries
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 export PYTHONPATH="$RUN/src:$SITE" PYTHONUNBUFFERED=1
@@ -56,9 +59,18 @@ $(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args "$backends")"
     fi
     export CMAKE_BUILD_PARALLEL_LEVEL=16
     echo "CMAKE_ARGS=$CMAKE_ARGS"
+    # `perplexity`: keep the wheel's CMake tree and add llama-perplexity to it, linked to the
+    # very libraries the wheel holds (its tools only configure; ggml is not compiled again)
+    keep="" tools=""
+    if [ "${3:-}" = perplexity ]; then
+        keep="--config-settings=build-dir=$PERPLEXITY_BUILD"
+        tools="&& cmake -S /tmp/src/trim -B $PERPLEXITY_BUILD -DLLAMA_BUILD_TOOLS=ON \
+            -DLLAMA_BUILD_SERVER=OFF >/dev/null && cmake --build $PERPLEXITY_BUILD \
+            --target llama-perplexity"
+    fi
     setsid nohup bash -c "python3 -m pip wheel --no-build-isolation --no-deps -w /tmp/wheels \
-        /tmp/src/trim && python3 -m pip install -q --no-deps --target $SITE /tmp/wheels/*.whl \
-        && echo BUILD_OK || echo BUILD_FAILED" >/tmp/build.log 2>&1 &
+        $keep /tmp/src/trim && python3 -m pip install -q --no-deps --target $SITE /tmp/wheels/*.whl \
+        $tools && echo BUILD_OK || echo BUILD_FAILED" >/tmp/build.log 2>&1 &
     echo "build started"
     ;;
 part)
@@ -127,7 +139,7 @@ carry)
     exec bash "$(dirname "$0")/carry.sh"
     ;;
 *)
-    echo "usage: device.sh part vk | build [BACKENDS] | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
+    echo "usage: device.sh part vk | build [BACKENDS] [perplexity] | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
     exit 2
     ;;
 esac

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -464,21 +465,38 @@ def _teacher_windows(spec: dict[str, Any]) -> dict[str, np.ndarray] | None:
     return load_arrays(Path(inputs["teacher_data"]))
 
 
-def score_window(
+def score_windows(
     loaded: LoadedModel,
     recorder: ForcedRecorder,
-    w: int,
-    window: list[int],
+    cut: list[list[int]],
     slice_ids: np.ndarray | None,
+    scored: Callable[[int], None] = lambda w: None,
+    overlap: bool | None = None,
 ) -> None:
-    """Score window ``w`` of the text and record its scored positions (``slice_ids``: the
-    teacher's, or None on the teacher itself)."""
-    head, forced = split(window)
-    recorder.begin_prompt(w, len(head), forced)
-    # the whole window, its last position's logits too, as llama-perplexity asks for them:
-    # the same batch and output sizes, so the same kernels
-    logits = loaded.score(window, len(head) - 1)[: len(forced)]
-    recorder.add_rows(w, logits, slice_ids)
+    """Score every window of the text and record its scored positions (``slice_ids``: the
+    teacher's, a window each, or None on the teacher itself); ``scored(w)`` after each
+    window's scoring. With ``overlap`` (default: on a GPU) the CPU records a window while the
+    GPU scores the next (at most two windows' logits held), so the recording's cost hides
+    behind the scoring; on the CPU the two would share its cores, so each window is recorded
+    before the next is scored."""
+    overlap = loaded.device.on_gpu if overlap is None else overlap
+    with ThreadPoolExecutor(1) as recording:
+        pending: Future[None] | None = None
+        for w, window in enumerate(cut):
+            head, forced = split(window)
+            # the whole window, its last position's logits too, as llama-perplexity asks for
+            # them: the same batch and output sizes, so the same kernels
+            logits = loaded.score(window, len(head) - 1)[: len(forced)]
+            scored(w)
+            if pending is not None:
+                pending.result()
+            recorder.begin_prompt(w, len(head), forced)
+            ids = None if slice_ids is None else slice_ids[w]
+            pending = recording.submit(recorder.add_rows, w, logits, ids)
+            if not overlap:
+                pending.result()
+        if pending is not None:
+            pending.result()
 
 
 def score_text(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
@@ -509,9 +527,15 @@ def score_text(spec: dict[str, Any], log: LlamaLog) -> StageOutput:
         )
         recorder = ForcedRecorder(len(cut), len(split(cut[0])[1]), top_k, n_top=LEADING_KEPT)
         start = time.perf_counter()
-        for w, window in enumerate(cut):
-            score_window(loaded, recorder, w, window, teacher["slice_ids"][w] if teacher else None)
-            print(f"[qdiff] text: window {w + 1} of {len(cut)} scored", file=sys.stderr, flush=True)
+        score_windows(
+            loaded,
+            recorder,
+            cut,
+            teacher["slice_ids"] if teacher else None,
+            lambda w: print(
+                f"[qdiff] text: window {w + 1} of {len(cut)} scored", file=sys.stderr, flush=True
+            ),
+        )
         seconds = time.perf_counter() - start
         load_s = loaded.load_seconds
     n_scored = int(recorder.arrays["lengths"].sum())
