@@ -388,3 +388,19 @@ def test_windows_recorded_beside_the_next_ones_scoring_are_recorded_alike(tiny_g
                 passes[teacher, True][name], passes[teacher, False][name], err_msg=name
             )
     assert np.isfinite(passes[False, True]["lse"]).all()
+
+
+def test_leading_ids_rank_as_whole_rows_do_among_many_ties() -> None:
+    """Rows of few distinct logits (ties at every rank, at the n-th place too), some NaN, some
+    slices cut short: the slice's ranking, row by row, is the whole row's."""
+    rng = np.random.default_rng(1)
+    for trial in range(100):
+        n, k = int(rng.integers(1, 12)), int(rng.integers(12, 40))
+        rows = rng.integers(0, int(rng.integers(3, 60)), (30, 200)).astype(np.float32)
+        if trial % 3 == 0:
+            rows[rng.random(rows.shape) < 0.01] = np.nan
+        near = rows + rng.standard_normal(rows.shape).astype(np.float32) * rng.random()
+        ids = np.stack([top_ids(np.nan_to_num(r, nan=-1e9), k) for r in near])
+        ids[rng.integers(0, 30), -1] = -1
+        expected = np.stack([top_ids(r, n) for r in rows])
+        assert np.array_equal(leading_ids(rows, ids, n), expected), trial

@@ -325,35 +325,48 @@ class LoadedModel:
                 logits = self._last_logits()
         return time.perf_counter() - start
 
-    def score(self, tokens: list[int], first: int) -> np.ndarray:
+    def score(self, tokens: list[int], first: int, out: np.ndarray | None = None) -> np.ndarray:
         """Decode ``tokens`` from an empty cache in batches of ``n_batch``, as llama-perplexity
         decodes a window, asking for the logits of positions ``first`` onward alone: their
-        rows (len(tokens) - first, n_vocab)."""
+        rows (len(tokens) - first, n_vocab), copied into ``out``'s first rows where given (a
+        buffer used again spares a fresh one's page faults)."""
         self._check_context(len(tokens), 0, "tokens")
+        n_rows = len(tokens) - first
+        if out is None:
+            out = np.empty((n_rows, self.n_vocab), np.float32)
+        out = out[:n_rows]
         self.clear()
-        rows = []
-        batch = llama_cpp.llama_batch_init(self.device.n_batch, 0, 1)
+        n_batch = self.device.n_batch
+        batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         try:
-            for start in range(0, len(tokens), self.device.n_batch):
-                chunk = tokens[start : start + self.device.n_batch]
-                for k, token in enumerate(chunk):
-                    batch.token[k] = token
-                    batch.pos[k] = start + k
-                    batch.n_seq_id[k] = 1
-                    batch.seq_id[k][0] = 0
-                    batch.logits[k] = start + k >= first
+            # one sequence throughout: its ids once, the tokens, positions and output flags
+            # of each batch through numpy views of the batch's arrays
+            for k in range(n_batch):
+                batch.seq_id[k][0] = 0
+            np.ctypeslib.as_array(batch.n_seq_id, shape=(n_batch,))[:] = 1
+            ids = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
+            positions = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
+            wanted = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
+            done = 0  # rows copied
+            for start in range(0, len(tokens), n_batch):
+                chunk = tokens[start : start + n_batch]
+                ids[: len(chunk)] = chunk
+                positions[: len(chunk)] = np.arange(start, start + len(chunk))
+                wanted[: len(chunk)] = positions[: len(chunk)] >= first
                 batch.n_tokens = len(chunk)
                 rc = llama_cpp.llama_decode(self._ctx, batch)
                 if rc != 0:
                     raise RuntimeError(f"llama_decode failed with code {rc}")
-                n_out = sum(1 for k in range(len(chunk)) if start + k >= first)
+                n_out = int(np.count_nonzero(wanted[: len(chunk)]))
                 if n_out:
-                    pointer = llama_cpp.llama_get_logits(self._ctx)
-                    rows.append(np.ctypeslib.as_array(pointer, shape=(n_out, self.n_vocab)).copy())
+                    pointer = llama_cpp.llama_get_logits(self._ctx)  # waits for the device
+                    logits = np.ctypeslib.as_array(pointer, shape=(n_out, self.n_vocab))
+                    out[done : done + n_out] = logits
+                    done += n_out
         finally:
             llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_synchronize(self._ctx)
-        return np.concatenate(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
+        return out
 
     def _check_context(self, n_prompt: int, n_more: int, what: str) -> None:
         if n_prompt + n_more > self.n_ctx:

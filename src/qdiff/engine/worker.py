@@ -480,13 +480,18 @@ def score_windows(
     behind the scoring; on the CPU the two would share its cores, so each window is recorded
     before the next is scored."""
     overlap = loaded.device.on_gpu if overlap is None else overlap
+    # the logits of one window (two while one is recorded and the next scored), each buffer
+    # used again: fresh ones would cost their page faults window after window
+    n_rows = len(cut[0]) - len(split(cut[0])[0]) + 1 if cut else 0
+    buffers = [np.empty((n_rows, loaded.n_vocab), np.float32) for _ in range(1 + overlap)]
     with ThreadPoolExecutor(1) as recording:
         pending: Future[None] | None = None
         for w, window in enumerate(cut):
             head, forced = split(window)
             # the whole window, its last position's logits too, as llama-perplexity asks for
             # them: the same batch and output sizes, so the same kernels
-            logits = loaded.score(window, len(head) - 1)[: len(forced)]
+            logits = loaded.score(window, len(head) - 1, buffers[w % len(buffers)])
+            logits = logits[: len(forced)]
             scored(w)
             if pending is not None:
                 pending.result()
