@@ -267,6 +267,16 @@ def perplexity_arguments(settings: Any, n_ctx: int, device: str) -> list[str]:
     return args
 
 
+def scoring_seconds(log: str) -> float | None:
+    """The seconds between the two lines of a llama-perplexity log (run with --log-prefix
+    --log-timestamps) that bracket its scoring, or None where the log lacks either."""
+    stamps = [
+        int(m) * 60 + int(s) + int(ms) / 1e3 + int(us) / 1e6
+        for m, s, ms, us in _PERPLEXITY_STAMP.findall(log)
+    ]
+    return stamps[1] - stamps[0] if len(stamps) == 2 else None
+
+
 def perplexity_seconds(binary: str, model: str, text: str, args: list[str], chunks: int) -> float:
     """Seconds llama-perplexity takes over the first ``chunks`` windows of the text, by its
     own log's time stamps."""
@@ -274,13 +284,10 @@ def perplexity_seconds(binary: str, model: str, text: str, args: list[str], chun
     proc = subprocess.run(
         [*command, "--log-prefix", "--log-timestamps"], capture_output=True, text=True
     )
-    stamps = [
-        int(m) * 60 + int(s) + int(ms) / 1e3 + int(us) / 1e6
-        for m, s, ms, us in _PERPLEXITY_STAMP.findall(proc.stdout + proc.stderr)
-    ]
-    if proc.returncode != 0 or len(stamps) != 2:
+    seconds = scoring_seconds(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or seconds is None:
         sys.exit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return stamps[1] - stamps[0]
+    return seconds
 
 
 def perplexity_interleaved(workdir: Path, binary: str) -> dict[str, dict[str, float]]:

@@ -72,3 +72,57 @@ def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) ->
     split = re.search(r"own records \(8 ok run records\): (\d+\.\d+) s .* / its records", out)
     assert split, out
     assert "planning 2x2x1x2: " in out and "Snakemake's own no-op" in out
+    # --only text: the experiment (complete, so nothing runs) and the text stage's lines alone
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/bench.py"), "--config", str(config)]
+        + ["--workdir", str(tmp_path / "bench"), "--cores", "2", "--only", "text"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = re.findall(r"^  (.+?)\s+(\d+\.\d+) .* target ([<>]=) ", proc.stdout, re.M)
+    assert [name.strip() for name, _, _ in figures] == [
+        "text stage / bare scoring, cpu",
+        "exact text / f32 text",
+    ], proc.stdout
+    assert "  experiment: 0 jobs in " in proc.stdout, proc.stdout
+
+
+def _bench_module():
+    """benchmarks/bench.py as a module, for its pure functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", REPO / "benchmarks/bench.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_perplexity_runs_with_the_devices_settings_and_is_timed_by_its_log() -> None:
+    """The options a device's settings give llama-perplexity, and the seconds between the
+    log lines that bracket its scoring (lines of a real run of the vendored tool)."""
+    from qdiff.core.settings import DeviceSettings
+
+    bench = _bench_module()
+    cpu = DeviceSettings(backend="cpu", threads=2)
+    assert bench.perplexity_arguments(cpu, 512, "none") == [
+        *("-c", "512", "-b", "512", "-ub", "512", "-t", "2", "-tb", "2", "-fa", "off"),
+        *("-ctk", "f16", "-ctv", "f16", "-ngl", "0", "-sm", "none", "-dev", "none"),
+        *("--no-repack", "--no-op-offload"),
+    ]
+    cuda = DeviceSettings(backend="cuda", n_batch=2048, flash_attn=True, extra_bufts=True)
+    args = bench.perplexity_arguments(cuda, 512, "CUDA0")
+    assert args[:6] == ["-c", "512", "-b", "512", "-ub", "512"]  # one window a sequence
+    assert args[args.index("-fa") + 1] == "on" and args[args.index("-ngl") + 1] == "999"
+    assert args[-2:] == ["CUDA0", "--no-op-offload"]  # repacking on, op offload off
+    log = (
+        "0.00.625.044 I perplexity: calculating perplexity over 2 chunks, n_ctx=512\n"
+        "0.02.075.783 I perplexity: 1.45 seconds per pass - ETA 0.03 minutes\n"
+        "[1]27.1,[2]27.9,\n"
+        "1.03.593.080 I Final estimate: PPL = 27.9364 +/- 4.21390\n"
+    )
+    assert math.isclose(bench.scoring_seconds(log), 62.968036)
+    assert bench.scoring_seconds(log.split("[1]")[0]) is None  # it stopped before the end

@@ -44,7 +44,13 @@ case "${1:-}" in
 build)
     backends=${2:-cuda,vulkan}
     mkdir -p "$SITE" /tmp/src /tmp/vk /tmp/parts
-    tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
+    # the sdist whole, or in the parts that `part sdist0` and `part sdist1` kept (where the tree
+    # leaves no room for it in one call: split -n 2 -d -a 1 the .tgz .carry/sdist)
+    if [ -f .carry/llama-cpp-python-0.3.36.tgz ]; then
+        tar xzf .carry/llama-cpp-python-0.3.36.tgz -C /tmp/src
+    else
+        cat /tmp/parts/sdist[0-9] | tar xzf - -C /tmp/src
+    fi
     export CMAKE_ARGS="-DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
 $(PYTHONPATH=src python3 -m qdiff.core.backends cmake-args "$backends")"
     if [[ $backends == *vulkan* ]]; then
@@ -79,7 +85,7 @@ part)
     elif [ "$2" = vk ]; then # before `build cuda,vulkan`: beside the sdist they overfill a call
         mkdir -p /tmp/debs && cp -r .carry/vk12 .carry/vk13 /tmp/debs/
     else
-        cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
+        mkdir -p /tmp/parts && cp ".carry/$2" /tmp/parts/ && ls -la /tmp/parts
     fi
     ;;
 run)
