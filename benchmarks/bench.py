@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from math import nan
 from pathlib import Path
 from statistics import median
@@ -771,20 +772,16 @@ def executor_plugins() -> str:
     )
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "_floor":
-        print(inference_floor(Path(sys.argv[2])))
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "_text_interleaved":
-        print(json.dumps(text_interleaved(Path(sys.argv[2]))))
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "_perplexity":
-        print(json.dumps(perplexity_interleaved(Path(sys.argv[2]), sys.argv[3])))
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "_compare":
-        n, seconds = throughput(json.loads(sys.argv[2]), sys.argv[3])
-        print(n, seconds)
-        return
+# the parts that run in a fresh process (``child``): what each prints, from its arguments
+CHILDREN: dict[str, Callable[[list[str]], str]] = {
+    "_floor": lambda a: str(inference_floor(Path(a[0]))),
+    "_text_interleaved": lambda a: json.dumps(text_interleaved(Path(a[0]))),
+    "_perplexity": lambda a: json.dumps(perplexity_interleaved(Path(a[0]), a[1])),
+    "_compare": lambda a: " ".join(map(str, throughput(json.loads(a[0]), a[1]))),
+}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cores", type=int, default=CORES)
     parser.add_argument("--config", type=Path, default=REPO / "config/config.yaml")
@@ -818,6 +815,14 @@ def main() -> None:
     args.config = args.config.resolve()
     if args.llama_perplexity:
         args.llama_perplexity = args.llama_perplexity.resolve()
+    return args
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in CHILDREN:
+        print(CHILDREN[sys.argv[1]](sys.argv[2:]))
+        return
+    args = parse_args()
     parts = args.only or ["pipeline", "compare", "planning"]
     if "exact-text" in parts and not args.workdir:
         sys.exit("--only exact-text reads a finished run's records: give its --workdir")

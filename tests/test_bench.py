@@ -13,6 +13,21 @@ import yaml
 
 from conftest import REPO, tiny_config, tiny_text
 
+FIGURE = re.compile(r"^  (.+?)\s+(\d+\.\d+) .* target ([<>]=) ", re.M)  # a measured line
+
+
+def run_bench(*args: str) -> str:
+    """benchmarks/bench.py's output, run with ``args``; it must succeed."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/bench.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
 
 def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) -> None:
     config = tmp_path / "experiment.yaml"
@@ -23,33 +38,13 @@ def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) ->
         text=tiny_text(tmp_path / "bench/experiment"),
     )
     config.write_text(yaml.safe_dump(experiment, sort_keys=False))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks/bench.py"),
-            "--config",
-            str(config),
-            "--workdir",
-            str(tmp_path / "bench"),
-            "--cores",
-            "2",
-            "--repeat",
-            "1",
-            "--matrix",
-            "2x2x1x2",
-            "--compare-runs",
-            "3",
-            "--compare-prompts",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=REPO,
+    common = ["--config", str(config), "--workdir", str(tmp_path / "bench"), "--cores", "2"]
+    out = run_bench(
+        *common,
+        *("--repeat", "1", "--matrix", "2x2x1x2", "--compare-runs", "3"),
+        *("--compare-prompts", "2"),
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    figures = re.findall(r"^  (.+?)\s+(\d+\.\d+) .* target ([<>]=) ", out, re.M)
+    figures = FIGURE.findall(out)
     names = [name.strip() for name, _, _ in figures]
     assert names == [
         "serving stage / its decoding",  # over the serving records of 8 jobs
@@ -73,21 +68,12 @@ def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) ->
     assert split, out
     assert "planning 2x2x1x2: " in out and "Snakemake's own no-op" in out
     # --only text: the experiment (complete, so nothing runs) and the text stage's lines alone
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/bench.py"), "--config", str(config)]
-        + ["--workdir", str(tmp_path / "bench"), "--cores", "2", "--only", "text"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    figures = re.findall(r"^  (.+?)\s+(\d+\.\d+) .* target ([<>]=) ", proc.stdout, re.M)
-    assert [name.strip() for name, _, _ in figures] == [
+    out = run_bench(*common, "--only", "text")
+    assert [name.strip() for name, _, _ in FIGURE.findall(out)] == [
         "text stage / bare scoring, cpu",
         "exact text / f32 text",
-    ], proc.stdout
-    assert "  experiment: 0 jobs in " in proc.stdout, proc.stdout
+    ], out
+    assert "  experiment: 0 jobs in " in out, out
 
 
 def _bench_module():
