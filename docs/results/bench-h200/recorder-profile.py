@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from qdiff.core.forced import (
-    LSE_BLOCK,
     ForcedRecorder,
     digest,
     gather,
@@ -27,7 +26,6 @@ rng = np.random.default_rng(0)
 rows = rng.standard_normal((255, 49152)).astype(np.float32) * 3
 ids = np.stack([np.argsort(-r)[:1024].astype(np.int32) for r in rows])
 used = np.empty_like(rows)
-scratch = np.empty((LSE_BLOCK, rows.shape[1]))
 
 
 def least(f: Callable[[], object], n: int = 5) -> float:
