@@ -15,7 +15,7 @@
 # and resources/texts (./setup's Macbeth) carried as it is.
 #
 #   device.sh part vk       keep vk12 and vk13 for a Vulkan build (a call of their own)
-#   device.sh build [BACKENDS] [perplexity]  unpack the sdist, start the build (default
+#   device.sh build [BACKENDS [perplexity]]  unpack the sdist, start the build (default
 #                           cuda,vulkan; `cuda` alone needs no `part vk`) in the background;
 #                           with `perplexity`, llama-perplexity too (benchmarks/bench.py's
 #                           --llama-perplexity)
@@ -145,7 +145,7 @@ carry)
     exec bash "$(dirname "$0")/carry.sh"
     ;;
 *)
-    echo "usage: device.sh part vk | build [BACKENDS] [perplexity] | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
+    echo "usage: device.sh part vk | build [BACKENDS [perplexity]] | part NAME | run [CONFIG] | collect [SECONDS] [partial] | carry" >&2
     exit 2
     ;;
 esac
