@@ -54,9 +54,10 @@ UNNAMED_DIGEST = "an unnamed algorithm"
 
 def digest(logits: np.ndarray) -> int:
     """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits.
-    XXH3 (xxhash): every position is hashed, no adversary picks the logits, and it is 15
-    times SHA-256's speed (1.8 against 28 ms for 255 rows of SmolLM2's 49,152 logits, 2-core
-    AMD EPYC, docs/performance.md): the largest share of the text stage's recording before."""
+    XXH3 (xxhash): every position is hashed, no adversary picks the logits, and it takes a
+    twelfth to a fourteenth of SHA-256's time (2.1-2.4 against 28-30 ms for 255 rows of
+    SmolLM2's 49,152 logits on a 2-core AMD EPYC: docs/results/bench-epyc/digest-ab.log),
+    which had been the largest share of the text stage's recording."""
     raw = np.ascontiguousarray(logits, dtype=np.float32).view(np.uint8)  # no copy
     return xxhash.xxh3_64_intdigest(raw.data)
 
