@@ -53,6 +53,17 @@ def test_digest_tells_bit_identical_from_different() -> None:
     y = x.copy()
     y[3] = np.nextafter(y[3], np.float32(100))
     assert digest(x) != digest(y)
+    # XXH3's 64 bits of these bytes (its output is fixed by its specification): another
+    # algorithm would need a new DIGEST_ALGORITHM name, or old and new data would mix
+    assert digest(np.arange(8, dtype=np.float32)) == 9101205324467971890
+
+
+def test_digests_of_two_named_algorithms_are_never_compared() -> None:
+    from qdiff.core.forced import DIGEST_ALGORITHM, same_digest_algorithm
+
+    with pytest.raises(ValueError, match=f"made by sha256/8 and by {DIGEST_ALGORITHM} cannot"):
+        same_digest_algorithm({"digest_algorithm": "sha256/8"}, {"digest_algorithm": "xxh3_64"})
+    same_digest_algorithm({"digest_algorithm": DIGEST_ALGORITHM}, {"digest_algorithm": "xxh3_64"})
 
 
 def test_digests_of_two_algorithms_are_never_compared(tmp_path) -> None:

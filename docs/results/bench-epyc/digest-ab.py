@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import xxhash
 
 from qdiff.core import forced
 from qdiff.core.text import LEADING_KEPT
@@ -36,7 +37,7 @@ def least(f: Callable[[], object], n: int = 5) -> float:
 
 recorder = forced.ForcedRecorder(1, 255, 1024, n_top=LEADING_KEPT)
 recorder.begin_prompt(0, 256, list(range(255)))
-print(f"add_rows with {recorder.workers} workers")
+print(f"add_rows with {recorder.workers} workers; xxhash {xxhash.VERSION}")
 for round_ in range(3):
     for name, digest in (("sha256/8", sha256), ("xxh3_64", xxh3)):
         forced.digest = digest  # what add_rows calls

@@ -3,9 +3,9 @@
 #   run(command="bash docs/results/cuda-roundings/device.sh", carry=[".carry/llama-cpp-python-0.3.36.tgz", ".carry/whl"])
 # (as on 2026-12-03), and h200-ub1/ (capture.py's one-token ubatches) with
 #   run(command="bash docs/results/cuda-roundings/device.sh ub1", carry=[".carry/llama-cpp-python-0.3.36.tgz", ".carry/whl-capture"])
-# whose wheels are the two of .carry/whl the capture needs (gguf; diskcache, which
-# llama-cpp-python imports): the tree of 2026-12-04 leaves no room for all of .carry/whl in
-# a call's 64 MiB. On 2026-12-04 that call carried gguf alone and failed at `import
+# whose wheels are those of .carry/whl the capture needs (gguf; diskcache, which
+# llama-cpp-python imports; since d6c3ae5 xxhash, which qdiff's digests import): the tree of
+# 2026-12-04 leaves no room for all of .carry/whl in a call's 64 MiB. On 2026-12-04 that call carried gguf alone and failed at `import
 # llama_cpp` after the build; a second call on the still warm machine (its /tmp/site and
 # the build kept) installed .carry/whl/diskcache-*.whl into /tmp/site and ran
 # `capture.py /tmp/cap cuda ub1` and the packing below by hand (README.md). As written

@@ -88,12 +88,14 @@ def full_vocabulary(
     KL divergence over the whole vocabulary in float64, which neither tool stores, and
     whether these logits are bit for bit the text stage's (its digests); and the model's
     BOS, where it adds one."""
-    from qdiff.core.forced import digest
+    from qdiff.core.forced import DIGEST_ALGORITHM, digest, same_digest_algorithm
     from qdiff.core.settings import DeviceSettings
     from qdiff.core.text import split
     from qdiff.engine.log import init_backend
     from qdiff.engine.model import LoadedModel
 
+    for stored in (base, other):  # digests of an older qdiff cannot be set against these
+        same_digest_algorithm(stored, {"digest_algorithm": DIGEST_ALGORITHM})
     log = init_backend(work / "full-vocabulary-errors.txt")
     device = DeviceSettings.from_config({"backend": "cpu", "threads": 2})
     rows, bos = {}, None

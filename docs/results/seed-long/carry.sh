@@ -117,7 +117,7 @@ if [ ! -d "$C/whl" ]; then
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --find-links "$s" -c "$W/constraints.txt" -d "$s" \
-        "snakemake>=9,<10" "jsonschema>=4.20" "gguf>=0.10" "markdown-it-py>=3" "xxhash>=3" \
+        "snakemake>=9,<10" "jsonschema>=4.20" "gguf>=0.10" "markdown-it-py>=3" "xxhash>=4.1" \
         diskcache
     for n in $DROP; do
         # a wheel's file name starts with its normalized name; match case-insensitively

@@ -10,8 +10,10 @@ logits), 640 MiB per combination for the default experiment. Each position is ke
 - ``lse``: log-sum-exp over the full vocabulary, so slice probabilities are exact;
 - ``top_ids``/``top_logits``: each combination's own ``n_top`` leading tokens over the full
   vocabulary (two by default), so top-1 agreement and fork margins are exact;
-- ``digest``: a hash of the full float32 logits, so "bit-identical" is exact; the arrays
-  name its algorithm (``digest_algorithm``), and digests of two algorithms are never compared.
+- ``digest``: a 64-bit hash of the full float32 logits, so "bit-identical" is exact but for
+  a chance of about 2**-64 per pair of differing rows (no one chooses these logits to
+  collide); the arrays name its algorithm (``digest_algorithm``), and digests of two
+  algorithms are never compared.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ UNNAMED_DIGEST = "an unnamed algorithm"
 
 
 def digest(logits: np.ndarray) -> int:
-    """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits.
+    """64-bit hash of the exact float32 bytes: equal digests mean bit-identical logits but
+    for a chance of about 2**-64 per pair of differing rows, as SHA-256's first 8 bytes gave.
     XXH3 (xxhash): every position is hashed, no adversary picks the logits, and it takes a
     twelfth to a fourteenth of SHA-256's time (2.1-2.4 against 28-30 ms for 255 rows of
     SmolLM2's 49,152 logits on a 2-core AMD EPYC: docs/results/bench-epyc/digest-ab.log),
