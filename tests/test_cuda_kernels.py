@@ -9,6 +9,10 @@
   f16 products and per-thread f16 sums, and whole first steps at float32's level; and
   against prompts of 40 tokens in one ubatch, softmax·V (and f16 weights' matmuls) as
   cuBLAS's f16 sums of runs of 16 products, exactly.
+- Attention with an f32 KV cache (``cuda_attention_kv_f32``), against the H200's tensors of
+  prompts of 1-40 tokens in one ubatch (docs/results/cuda-roundings/h200-kv32): K·Q and
+  softmax·V in float32, truncated TF32 or rounded TF32 by the kernel the ubatch takes,
+  and whole first steps at float32's level.
 - The weights read as the kernels read them, the engine's vectorised form against each
   kernel's per-block formula as the source writes it, and the cases where a CUDA kernel's
   arithmetic is the CPU's, against llama.cpp's own CPU tensors."""
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +40,7 @@ from qdiff.core.roundings import (
 from qdiff.core.settings import DeviceSettings
 from qdiff.exact import cuda
 from qdiff.exact.cuda import BLOCK_BYTES
-from qdiff.exact.model import ExactModel, _ubatch_sizes, rms_norm
+from qdiff.exact.model import ExactModel, _ubatch_sizes, rms_norm, rope
 from qdiff.exact.reference import _changes_anything, emulate
 from test_roundings import LAYER0, captured_layer0
 from tinymodel import write_tiny_llama
@@ -481,6 +486,8 @@ def test_attention_rows_take_the_kernels_of_their_ubatch(files: dict[str, Path])
     one = ExactModel(files["q8_0"], Roundings(cuda_attention=True, kv_f16=True, n_ubatch=1))
     assert not np.allclose(one.forward(tokens, slice(None)), cpu.forward(tokens, slice(None)))
     assert [cuda.attention_kernel(t) for t in (1, 2, 16, 17)] == ["mmvf", "mmf", "mmf", "cublas"]
+    f32_cache = [cuda.attention_kernel(t, f16_cache=False) for t in (1, 3, 4, 16, 17)]
+    assert f32_cache == ["mmvf", "mmvf", "mmf", "mmf", "cublas"]
 
 
 @pytest.mark.parametrize("target", ["q8_0", "q4_1", "q5_k_m", "q6_k"])
@@ -507,3 +514,93 @@ def test_first_steps_in_one_token_ubatches_are_the_h200s_to_float32s_level(
             made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
             residual[name] = np.median(np.abs(run - made).max(axis=1))
         assert residual["planned"] < 1e-5 and residual["matmuls"] > 1e-2, (n, residual)
+
+
+H200_KV32 = H200.parent / "h200-kv32"
+KV32_LENGTHS = [1, 3, 5, 12, 40]  # capture.py's KV32_LAYER0: MMVF, MMVF, MMF, MMF, cuBLAS
+TF32_OF_KERNEL = {
+    "mmvf": np.asarray,
+    "mmf": partial(cuda.tf32, nearest=False),
+    "cublas": partial(cuda.tf32, nearest=True),
+}
+
+
+def _attention_inputs_of_layer0(
+    model: ExactModel, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layer 0's Q at the last position (heads, d), and K and V of every position as an
+    f32 cache keeps them, expanded to the query heads (heads, positions, d): the prompt
+    in one ubatch, through CUDA's matmuls."""
+    n = len(tokens)
+    model.roundings = Roundings(cuda_activations=True, cuda_tf32=True)
+    model.row_tokens = _ubatch_sizes(n, 512)
+    w, hp = model.weights, model.hp
+    x = rms_norm(w["token_embd.weight"][tokens], w["blk.0.attn_norm.weight"], hp.eps)
+    q, k, v = model._qkv(x, 0)
+    positions, turn = np.arange(n, dtype=np.float64), model._rope_of(0)
+    q, k = rope(q, positions, turn), rope(k, positions, turn)
+    heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)
+    return q[-1], k[:, heads].transpose(1, 0, 2), v[:, heads].transpose(1, 0, 2)
+
+
+def _share_equal(ours: np.ndarray, theirs: np.ndarray) -> float:
+    """The share of values within float32's level (1e-6 of the largest) of the run's."""
+    return float(np.mean(np.abs(ours - theirs) <= 1e-6 * np.abs(theirs).max()))
+
+
+@pytest.mark.parametrize("target", ["f32", "q8_0", "q4_k_m"])
+def test_attention_with_an_f32_cache_rounds_as_its_kernel_on_h200_tensors(
+    files: dict[str, Path], target: str
+) -> None:
+    """K·Q and softmax·V at the last of 1, 3, 5, 12 and 40 tokens in one ubatch with an f32
+    KV cache: MMVF's float32 for up to 3 tokens, MMF's truncated TF32 operands for 4-16,
+    cuBLAS's rounded TF32 above (cuda.kv_f32_operand). Q, K and V are computed here,
+    within float32's error of the run's, so a value next to a TF32 boundary may round the
+    other way: at least 70% of the values equal the run's to float32's level (measured:
+    75-100%), and at most 10% under either other rounding (measured: 0-4%)."""
+    model = ExactModel(files[target])
+    heads = model.hp.n_head
+    for n in KV32_LENGTHS:
+        tensors = np.load(H200_KV32 / f"{target}-kv32-{n}.npz")
+        q, k, v = _attention_inputs_of_layer0(model, tensors["tokens"])
+        cells = len(tensors["kq-0"]) // heads
+        kq = tensors["kq-0"].reshape(heads, cells)[:, :n].astype(np.float64)
+        p = tensors["kq_soft_max-0"].reshape(heads, cells)[:, :n].astype(np.float64)
+        kqv = tensors["kqv-0"].reshape(heads, -1).astype(np.float64)
+        kernel = cuda.attention_kernel(n, f16_cache=False)
+        ours = cuda.kv_f32_operand(kernel) or np.asarray
+        others = [f for name, f in TF32_OF_KERNEL.items() if name != kernel]
+        for operand, lowest, highest in [(ours, 0.7, 1.0)] + [(f, 0.0, 0.1) for f in others]:
+            products = np.einsum("hd,hnd->hn", operand(q), operand(k))
+            weighted = np.einsum("hn,hnd->hd", operand(p), operand(v))
+            for share in (_share_equal(products, kq), _share_equal(weighted, kqv)):
+                assert lowest <= share <= highest, (n, kernel, share)
+
+
+@pytest.mark.parametrize("target", ["q8_0", "q4_k_m"])
+def test_first_steps_with_an_f32_cache_are_the_h200s_to_float32s_level(
+    files: dict[str, Path], target: str
+) -> None:
+    """Prompts of 3 and 5 tokens in one ubatch with an f32 KV cache (MMVQ; attention's MMVF,
+    then MMF): the sources the pipeline plans for such a device are within 1e-5 of the
+    H200's logits at the median prompt; without the attention's switch the same at 3
+    tokens (float32 products), 0.05 or more away at 5 (measured: 0.19-0.21). From 12 tokens
+    MMQ's approximate divisions leave about 0.1 at the median with an f16 cache too."""
+    runs = np.load(H200_KV32 / f"{target}-logits-kv32.npz")
+    model = ExactModel(files[target])
+    model.first_step_only = True
+    settings = DeviceSettings(backend="cuda", kv_cache_type="f32").as_dict()
+    planned = together(sources_of(settings, "none"))
+    assert planned.cuda_attention_kv_f32 and not planned.kv_f16
+    matmuls = dataclasses.replace(planned, cuda_attention_kv_f32=False)
+    for n in (3, 5):
+        keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
+        prompts = [list(runs[k + "-tokens"]) for k in keys]
+        run = np.array([runs[k] for k in keys], dtype=np.float64)
+        residual = {}
+        for name, r in (("planned", planned), ("matmuls", matmuls)):
+            model.roundings = r
+            made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+            residual[name] = np.median(np.abs(run - made).max(axis=1))
+        assert residual["planned"] < 1e-5, (n, residual)
+        assert (residual["matmuls"] > 0.05) == (n > cuda.MMVF_MAX_TOKENS), (n, residual)

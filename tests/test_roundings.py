@@ -181,8 +181,11 @@ def test_each_combination_gets_its_backends_sources() -> None:
     assert "flash attention" in by_combination["cuda-fa.none"]["not_followed"][0]
     assert "cuda_attention" not in by_combination["cuda-fa.none"]["sources"]
     assert by_combination["cpu.none"]["not_followed"] == []
-    assert set(by_combination["cuda-kv32.f32"]["sources"]) == {"cuda_tf32"}
-    assert "f32 KV cache" in by_combination["cuda-kv32.f32"]["not_followed"][0]
+    # an f32 cache: attention's TF32 kernels, no f16 K/V
+    kv32 = by_combination["cuda-kv32.f32"]
+    assert set(kv32["sources"]) == {"cuda_tf32", "cuda_attention_kv_f32"}
+    assert kv32["not_followed"] == []
+    assert kv32["together"] == "cuda_tf32+cuda_attention_kv_f32+f32_copy@ub512"
     assert "not emulated yet" in by_combination["vulkan.none"]["not_emulated"]
     assert "weights are not the file's" in by_combination["cpu.f16"]["not_emulated"]
     shared = by_combination["cpu.none"]["sources"]["kv_f16"]
@@ -212,6 +215,15 @@ def test_another_ubatch_is_a_floor_on_the_cpu_and_not_on_cuda() -> None:
     run = {"prompts": [{"id": "a", "prompt_tokens": [1, 2, 3]}]}
     assert ubatch_floor(serving, run | {"settings": {"backend": "cpu"}}) == {"a": 0.003}
     assert ubatch_floor(serving, run | {"settings": {"backend": "cuda"}}) == {}
+
+
+def test_cudas_attention_is_of_one_cache_type() -> None:
+    """An f16 cache's attention and an f32 cache's exclude each other: no set of switches
+    says both."""
+    with pytest.raises(ValueError, match="exclude each other"):
+        Roundings(cuda_attention=True, cuda_attention_kv_f32=True)
+    f32_cache = DeviceSettings(backend="cuda", kv_cache_type="f32").as_dict()
+    assert "cuda_attention" not in sources_of(f32_cache, "none")
 
 
 def test_flash_attention_rounds_an_f32_caches_k_and_v_to_f16() -> None:

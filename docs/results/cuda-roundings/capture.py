@@ -55,7 +55,12 @@ def text_for(n_ctx: int) -> str:
 
 
 def capture(
-    path: Path, lengths: list[int], backend: str, flash_attn: bool, n_ubatch: int = 512
+    path: Path,
+    lengths: list[int],
+    backend: str,
+    flash_attn: bool,
+    n_ubatch: int = 512,
+    kv_cache_type: str = "f16",
 ) -> dict[int, dict[str, np.ndarray]]:
     """Layer 0's tensors at the last token of prompts of ``lengths`` tokens (the last
     ubatch's graph)."""
@@ -67,7 +72,13 @@ def capture(
     from qdiff.engine.worker import _capture_prompt
 
     log = init_backend()  # kept while llama.cpp runs
-    settings = DeviceSettings(backend=backend, threads=1, flash_attn=flash_attn, n_ubatch=n_ubatch)
+    settings = DeviceSettings(
+        backend=backend,
+        threads=1,
+        flash_attn=flash_attn,
+        n_ubatch=n_ubatch,
+        kv_cache_type=kv_cache_type,
+    )
     gpu = None
     if settings.on_gpu:
         usable = devices_for_backend(backend, backend_devices())
@@ -98,10 +109,17 @@ STARTS = [0, 7, 19, 31]  # where each prompt starts in the text's tokens
 UB1_STEPS = [*FIRST_STEPS, 600]
 UB1_LAYER0 = [5, 40, 600]  # layer 0's tensors at the last of these, in one-token ubatches
 TEXT = "The quick brown fox jumps over the lazy dog. "
+# an f32 KV cache (``kv32``): K·Q and softmax·V take MMVF for 1-3 tokens, MMF for 4-16,
+# cuBLAS in TF32 mode for more (docs/gpu-arithmetic.md)
+KV32_LAYER0 = [1, 3, 5, 12, 40]
 
 
 def first_steps(
-    path: Path, backend: str, n_ubatch: int = 512, lengths: list[int] = FIRST_STEPS
+    path: Path,
+    backend: str,
+    n_ubatch: int = 512,
+    lengths: list[int] = FIRST_STEPS,
+    kv_cache_type: str = "f16",
 ) -> dict[str, np.ndarray]:
     """The first step's logits of prompts of ``lengths`` tokens, each from STARTS, the
     prompt in ubatches of ``n_ubatch`` tokens."""
@@ -111,7 +129,9 @@ def first_steps(
     from qdiff.engine.model import LoadedModel
 
     log = init_backend()
-    settings = DeviceSettings(backend=backend, threads=1, n_ubatch=n_ubatch)
+    settings = DeviceSettings(
+        backend=backend, threads=1, n_ubatch=n_ubatch, kv_cache_type=kv_cache_type
+    )
     gpu = devices_for_backend(backend, backend_devices())[0].handle if settings.on_gpu else None
     out: dict[str, np.ndarray] = {}
     n_ctx = context_for(lengths)
@@ -128,8 +148,10 @@ def first_steps(
 
 
 def main() -> None:
-    """``capture.py OUT [BACKEND] [ub1]``: with ``ub1``, only the first steps of UB1_STEPS
-    in one-token ubatches (``<target>-logits-ub1.npz``)."""
+    """``capture.py OUT [BACKEND] [ub1 | kv32]``: with ``ub1``, only the first steps of
+    UB1_STEPS in one-token ubatches (``<target>-logits-ub1.npz``); with ``kv32``, the
+    first steps and layer 0 with an f32 KV cache (``<target>-logits-kv32.npz``,
+    ``<target>-kv32-<n>.npz``)."""
     out = Path(sys.argv[1])
     backend = sys.argv[2] if len(sys.argv) > 2 else "cuda"
     out.mkdir(parents=True, exist_ok=True)
@@ -143,6 +165,16 @@ def main() -> None:
             print(f"{target}: {len(steps) // 2} first steps in one-token ubatches", flush=True)
             for n, tensors in capture(path, UB1_LAYER0, backend, False, n_ubatch=1).items():
                 np.savez_compressed(out / f"{target}-ub1-{n}.npz", **tensors)
+        return
+    if sys.argv[3:] == ["kv32"]:
+        for target in TARGETS:
+            path = make(models, target)
+            steps = first_steps(path, backend, kv_cache_type="f32")
+            np.savez_compressed(out / f"{target}-logits-kv32.npz", **steps)
+            print(f"{target}: {len(steps) // 2} first steps with an f32 KV cache", flush=True)
+            layer0 = capture(path, KV32_LAYER0, backend, False, kv_cache_type="f32")
+            for n, tensors in layer0.items():
+                np.savez_compressed(out / f"{target}-kv32-{n}.npz", **tensors)
         return
     rows = []
     for target in TARGETS:

@@ -23,8 +23,10 @@ class Roundings:
     gelu_table: bool = False
     cuda_activations: bool = False
     cuda_tf32: bool = False
-    # CUDA's attention without flash attention, by the kernels each ubatch's size picks
+    # CUDA's attention without flash attention, by the kernels each ubatch's size picks:
+    # with an f16 KV cache, or with an f32 one (TF32 products)
     cuda_attention: bool = False
+    cuda_attention_kv_f32: bool = False
     # the f32 copy's weights: every matmul weight is f32 (the file's values), so it takes
     # the f32 kernels (on CUDA: MMVF, MMF or cuBLAS), not the file's type's
     f32_copy: bool = False
@@ -32,11 +34,23 @@ class Roundings:
     # >0: the seed of a float32-sized perturbation of every rounding's input (``jittered``)
     jitter: int = 0
 
+    def __post_init__(self) -> None:
+        if self.cuda_attention and self.cuda_attention_kv_f32:
+            raise ValueError(
+                "cuda_attention (f16 KV cache) and cuda_attention_kv_f32 exclude each other"
+            )
+
     @property
     def by_ubatch(self) -> bool:
         """Whether the ubatch's size changes what these switches compute (CPU flash
         attention's path, CUDA's kernels)."""
-        return self.flash_cpu or self.cuda_activations or self.cuda_tf32 or self.cuda_attention
+        return (
+            self.flash_cpu
+            or self.cuda_activations
+            or self.cuda_tf32
+            or self.cuda_attention
+            or self.cuda_attention_kv_f32
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,11 +73,11 @@ SOURCE_LABELS = {
     "cuda_activations": "CUDA's q8_1 activations (MMVQ, MMQ)",
     "cuda_tf32": "CUDA's TF32 products of f32 weights",
     "cuda_attention": "CUDA's attention (f16 softmax weights; f16 products for one token, f16 sums for more than 16)",
+    "cuda_attention_kv_f32": "CUDA's attention with an f32 KV cache (TF32 products above 3 tokens)",
 }
 # what the engine does not follow (yet) of CUDA's arithmetic, where it acts: a residual
 # above the floor is expected there (docs/gpu-arithmetic.md)
 CUDA_FLASH = "flash attention's f16 Q, softmax weights and sums"
-CUDA_KV_F32 = "attention with an f32 KV cache (TF32 products above 3 tokens)"
 
 
 def not_followed(settings: dict[str, Any]) -> list[str]:
@@ -71,11 +85,7 @@ def not_followed(settings: dict[str, Any]) -> list[str]:
     not follow, where it follows its backend at all."""
     if settings["backend"] != "cuda":
         return []
-    if settings.get("flash_attn"):
-        return [CUDA_FLASH]
-    if settings.get("kv_cache_type", "f16") != "f16":
-        return [CUDA_KV_F32]
-    return []
+    return [CUDA_FLASH] if settings.get("flash_attn") else []
 
 
 def _ubatch_of(settings: dict[str, Any]) -> int:
@@ -119,8 +129,8 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
 def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str, Roundings]:
     """CUDA's sources on an H200 that the engine follows (qdiff.exact.cuda): the q8_1
     activations of the quantized file's matmuls, the TF32 products of f32 weights, the
-    f16 K/V (stored, or cast for flash attention) and, with an f16 cache and no flash
-    attention, attention's kernels; ``not_followed`` lists the rest."""
+    f16 K/V (stored, or cast for flash attention) and, without flash attention,
+    attention's kernels for the cache's type; ``not_followed`` lists the rest."""
     # f32 weights, of the file or, every one of them, of its f32 copy; the kernels by the
     # size of each ubatch
     tf32 = Roundings(cuda_tf32=True, f32_copy=dequant == "f32", n_ubatch=n_ubatch)
@@ -129,8 +139,9 @@ def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str
         sources["cuda_activations"] = Roundings(cuda_activations=True, n_ubatch=n_ubatch)
     if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
-    if kv == "f16" and not flash:
-        sources["cuda_attention"] = Roundings(cuda_attention=True, n_ubatch=n_ubatch)
+    if not flash:
+        name = "cuda_attention" if kv == "f16" else "cuda_attention_kv_f32"
+        sources[name] = Roundings(**{name: True}, n_ubatch=n_ubatch)
     return sources
 
 

@@ -21,12 +21,15 @@ An f32 weight's matmul of 1-3 tokens runs MMVF in float32; of 4-16 MMF, whose TF
 tensor-core products take the float32 bits as they are (the low 13 mantissa bits of both
 operands dropped: measured, docs/results/cuda-roundings); of more, cuBLAS in TF32 mode,
 which rounds both operands to TF32 to nearest even (measured likewise). Each case was
-matched to float32's level on layer 0 of tiny models captured on an H200.
+matched to float32's level on layer 0 of tiny models captured on an H200. Attention with an
+f32 KV cache takes these f32 kernels too (kv_f32_operand).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -223,11 +226,25 @@ MMVF_MAX_KV_CELLS = 512  # ggml_cuda_should_use_mmvf: K of more cells (and heads
 WARP = 32
 
 
-def attention_kernel(n_tokens: int) -> str:
-    """The kernel K·Q and softmax·V of a ubatch of ``n_tokens`` tokens take on this GPU."""
-    if n_tokens == 1:
+def attention_kernel(n_tokens: int, f16_cache: bool = True) -> str:
+    """The kernel K·Q and softmax·V of a ubatch of ``n_tokens`` tokens take on this GPU,
+    with an f16 KV cache or an f32 one (ggml_cuda_should_use_mmvf: f16 K and V take MMVF
+    for one token, f32 ones for up to 3)."""
+    if n_tokens <= (1 if f16_cache else MMVF_MAX_TOKENS):
         return "mmvf"
     return "mmf" if n_tokens <= MMF_MAX_TOKENS else "cublas"
+
+
+# Attention with an f32 KV cache: K·Q and softmax·V take the f32 kernels of f32 weights
+# (f32_linear): MMVF in float32, MMF with truncated TF32 operands, cuBLAS
+# (ggml_cuda_mul_mat_cublas: compute type F32, the handle in TF32 mode) with rounded ones.
+# Every kernel takes both operands as they are: Q and K, the softmax weights and V.
+def kv_f32_operand(kernel: str) -> Callable[[np.ndarray], np.ndarray] | None:
+    """How ``kernel`` rounds each operand of attention's products with an f32 KV cache
+    (None: not at all)."""
+    if kernel == "mmvf":
+        return None
+    return partial(tf32, nearest=kernel == "cublas")
 
 
 def kv_cells(positions: np.ndarray) -> np.ndarray:

@@ -369,8 +369,10 @@ class ExactModel:
         heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)  # each query head's K/V
         k, v = k[:, heads], v[:, heads]
         scores = Scores(scale, hp.attn_softcap)
-        if r.cuda_attention:
-            kernels = np.array([cuda.attention_kernel(t) for t in self._tokens_of_rows(n)])
+        kernels = np.empty(n, dtype=object)
+        if r.cuda_attention or r.cuda_attention_kv_f32:
+            tokens = self._tokens_of_rows(n)
+            kernels = np.array([cuda.attention_kernel(t, r.cuda_attention) for t in tokens])
         out = np.empty_like(q)
         for rows in _spans(lengths):
             at = positions[rows]
@@ -378,21 +380,37 @@ class ExactModel:
             masked = at[None, :] > at[:, None]
             if hp.swa_layers[layer]:
                 masked |= at[None, :] <= at[:, None] - hp.n_swa
-            ks, vs = k[rows], v[rows]
-            if r.cuda_attention:
-                out[rows] = self._cuda_attention(q[rows], ks, vs, masked, scores, kernels[rows])
-            elif r.qp_f16:
-                q_f16 = self.rounded(q[rows], f16)
-                out[rows] = _softmax_attention(q_f16, ks, vs, masked, scores, self._f16_weights)
-            else:
-                out[rows] = _softmax_attention(q[rows], ks, vs, masked, scores)
-            if r.flash_cpu:
-                one_by_one = flash_rows_one_by_one(len(at), r.n_ubatch)
-                if one_by_one.any():
-                    q_in = self.rounded(q[rows], np.asarray)  # jittered, rounded to f16 inside
-                    flash = flash_one_row(q_in, ks, vs, masked, scores)
-                    out[rows][one_by_one] = flash[one_by_one]
+            out[rows] = self._sequence_attention(
+                q[rows], k[rows], v[rows], masked, scores, kernels[rows]
+            )
         return self.linear(out.reshape(n, hp.n_head * d), p + "attn_output.weight")
+
+    def _sequence_attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        masked: np.ndarray,
+        scores: Scores,
+        kernels: np.ndarray,
+    ) -> np.ndarray:
+        """One sequence's attention with the switches' roundings (``kernels``: CUDA's, by
+        the ubatch of each row)."""
+        r = self._roundings
+        if r.cuda_attention:
+            return self._cuda_attention(q, k, v, masked, scores, kernels)
+        if r.cuda_attention_kv_f32:
+            return self._cuda_attention_kv_f32(q, k, v, masked, scores, kernels)
+        if r.qp_f16:
+            out = _softmax_attention(self.rounded(q, f16), k, v, masked, scores, self._f16_weights)
+        else:
+            out = _softmax_attention(q, k, v, masked, scores)
+        if r.flash_cpu:
+            one_by_one = flash_rows_one_by_one(len(q), r.n_ubatch)
+            if one_by_one.any():
+                q_in = self.rounded(q, np.asarray)  # jittered, rounded to f16 inside
+                out[one_by_one] = flash_one_row(q_in, k, v, masked, scores)[one_by_one]
+        return out
 
     def _f16_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
         """softmax·V with the weights rounded to f16 and float32 sums (the CPU's f16 V,
@@ -430,6 +448,34 @@ class ExactModel:
         if kernel == "mmf":
             return self.rounded(q, f16), self._f16_weights
         return self.rounded(q, partial(cuda.tf32, nearest=True)), self._cublas_weights
+
+    def _cuda_attention_kv_f32(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        masked: np.ndarray,
+        scores: Scores,
+        kernels: np.ndarray,
+    ) -> np.ndarray:
+        """One sequence's attention as CUDA computes it with an f32 KV cache, each row by
+        the kernels its ubatch takes (cuda.kv_f32_operand: Q, K, the softmax weights and V
+        as they are, or in TF32)."""
+        out = np.empty_like(q)
+        for kernel in sorted(set(kernels)):
+            rows = kernels == kernel
+            operand = cuda.kv_f32_operand(str(kernel))
+            if operand is None:
+                out[rows] = _softmax_attention(q[rows], k, v, masked[rows], scores)
+                continue
+            q_used, k_used = self.rounded(q[rows], operand), self.rounded(k, operand)
+            v_used = self.rounded(v, operand)
+
+            def weigh(p: np.ndarray, v_part: np.ndarray, operand=operand) -> np.ndarray:
+                return self.rounded(p, operand) @ v_part
+
+            out[rows] = _softmax_attention(q_used, k_used, v_used, masked[rows], scores, weigh)
+        return out
 
     def _mmvf_weights(self, p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
         return cuda.mmvf_weighted_sum(self.rounded(p, np.asarray), v, n_cells)
