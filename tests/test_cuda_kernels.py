@@ -301,12 +301,12 @@ def test_first_steps_of_short_prompts_are_the_h200s_to_float32s_level(
 def test_weights_whose_cuda_kernel_is_not_followed_leave_that_budget_unmeasured(
     tmp_path: Path, files: dict[str, Path]
 ) -> None:
-    """An f16 file: CUDA's sets raise NotEmulatedError (no silent fallback to plain
+    """A bf16 file: CUDA's sets raise NotEmulatedError (no silent fallback to plain
     products), the emulation job still computes the CPU's sets, and the CUDA combination's
     budget says why it has none."""
-    path = tmp_path / "f16.gguf"
-    quantize_in_child(files["f32"], path, "f16")
-    with pytest.raises(NotEmulatedError, match="CUDA's matmuls of f16 weights"):
+    path = tmp_path / "bf16.gguf"
+    quantize_in_child(files["f32"], path, "bf16")
+    with pytest.raises(NotEmulatedError, match="CUDA's matmuls of bf16 weights"):
         ExactModel(path, Roundings(cuda_tf32=True)).forward([3, 4, 5], slice(-1, None))
     settings = {
         "cpu.none": (DeviceSettings(backend="cpu").as_dict(), "none"),
@@ -320,7 +320,7 @@ def test_weights_whose_cuda_kernel_is_not_followed_leave_that_budget_unmeasured(
     cpu = arrays[entries["cpu.none"]["together"]]  # stands in for the run and exact
     cuda_run = {"settings": settings["cuda.none"][0], "dequant": "none", "prompts": run["prompts"]}
     row = combination_budget(cuda_run, cpu, None, ({"status": "ok"} | record, arrays), cpu)
-    assert row == {"status": "n/a", "reason": "not emulated: CUDA's matmuls of f16 weights"}
+    assert row == {"status": "n/a", "reason": "not emulated: CUDA's matmuls of bf16 weights"}
 
 
 def test_cuda_sets_are_named_by_their_ubatch() -> None:
@@ -375,6 +375,27 @@ def test_one_token_matmuls_of_f16_weights_round_every_product_to_f16(
         assert _relative(ours, theirs) < 1e-6, weight
         for other in (w @ x, w @ x.astype(np.float16).astype(np.float64)):
             assert _relative(other, theirs) > 1e-4, weight
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_f16_weights_take_the_kernel_of_their_matmuls_size_on_h200_tensors(
+    tmp_path: Path, files: dict[str, Path], n: int
+) -> None:
+    """The engine's ``cuda_f16`` (cuda.f16_linear) on layer 0's matmuls of the f16 model at
+    the last of n tokens in one ubatch: MMVF's f16 products for one token, MMF's f16
+    activations for 5 and 12, cuBLAS's f16 sums of runs of 16 for 40, each within 1e-6 of
+    the H200's (measured: 0 to 3.4e-07); plain products 1e-4 or more away."""
+    path = tmp_path / "f16.gguf"
+    quantize_in_child(files["f32"], path, "f16")
+    model, tensors = ExactModel(path, Roundings(cuda_f16=True)), np.load(H200 / f"f16-{n}.npz")
+    model.row_tokens = np.array([n])  # the one row kept, of a matmul of n tokens
+    for given, made, weight in LAYER0 + MORE:
+        x, theirs = tensors[given].astype(np.float64)[None], tensors[made].astype(np.float64)
+        w = model.weights[weight]
+        ours = model.linear(x, weight)[0]
+        assert np.array_equal(ours, cuda.f16_linear(x, w, n)[0]), weight
+        assert _relative(ours, theirs) < 1e-6, weight
+        assert _relative(x[0] @ w.T, theirs) > 1e-4, weight
 
 
 def _values_of_layer0(model: ExactModel, tokens: np.ndarray, n_ubatch: int = 1) -> np.ndarray:

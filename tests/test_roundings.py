@@ -172,7 +172,13 @@ def test_each_combination_gets_its_backends_sources() -> None:
         }
     )
     cuda_sources = by_combination["cuda.none"]["sources"]
-    assert set(cuda_sources) == {"cuda_activations", "cuda_tf32", "kv_f16", "cuda_attention"}
+    assert set(cuda_sources) == {
+        "cuda_activations",
+        "cuda_f16",
+        "cuda_tf32",
+        "kv_f16",
+        "cuda_attention",
+    }
     assert cuda_sources["cuda_attention"] == "cuda_attention@ub512"
     # what the sources leave out, where it acts
     # cuBLAS's f16 sums of softmax·V (ubatches of more than 16 tokens) are followed too

@@ -10,6 +10,10 @@
 # the build kept) installed .carry/whl/diskcache-*.whl into /tmp/site and ran
 # `capture.py /tmp/cap cuda ub1` and the packing below by hand (README.md). As written
 # here, with both wheels, the ub1 call has not run in one piece.
+# h200-kv32/ (capture.py's kv32, an f32 KV cache) was captured on 2026-12-04 on a machine
+# where docs/results/seed-long/device.sh had built the wheel (`build cuda perplexity`) and
+# installed .carry/whl, by one call: PYTHONPATH=$PWD/src:/tmp/site python3
+# docs/results/cuda-roundings/capture.py /tmp/capkv32 cuda kv32, packed as below (README.md).
 # .carry/ is made here by docs/results/seed-long/carry.sh (the trimmed sdist; the wheels the
 # H200 lacks). It builds llama-cpp-python with CUDA only (4-5 min on 16 cores), then runs
 # capture.py beside this file and packs its output into $OUT.

@@ -23,6 +23,7 @@ class Roundings:
     gelu_table: bool = False
     cuda_activations: bool = False
     cuda_tf32: bool = False
+    cuda_f16: bool = False  # f16 weights' kernels: MMVF, MMF or cuBLAS's f16 compute
     # CUDA's attention without flash attention, by the kernels each ubatch's size picks:
     # with an f16 KV cache, or with an f32 one (TF32 products)
     cuda_attention: bool = False
@@ -48,6 +49,7 @@ class Roundings:
             self.flash_cpu
             or self.cuda_activations
             or self.cuda_tf32
+            or self.cuda_f16
             or self.cuda_attention
             or self.cuda_attention_kv_f32
         )
@@ -72,6 +74,7 @@ SOURCE_LABELS = {
     "gelu_table": "fp16 GELU table",
     "cuda_activations": "CUDA's q8_1 activations (MMVQ, MMQ)",
     "cuda_tf32": "CUDA's TF32 products of f32 weights",
+    "cuda_f16": "CUDA's f16 weights (f16 activations; f16 products for one token, f16 sums for more than 16)",
     "cuda_attention": "CUDA's attention (f16 softmax weights; f16 products for one token, f16 sums for more than 16)",
     "cuda_attention_kv_f32": "CUDA's attention with an f32 KV cache (TF32 products above 3 tokens)",
 }
@@ -128,7 +131,8 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
 
 def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str, Roundings]:
     """CUDA's sources on an H200 that the engine follows (qdiff.exact.cuda): the q8_1
-    activations of the quantized file's matmuls, the TF32 products of f32 weights, the
+    activations of the quantized file's matmuls, the kernels of its f16 weights (dropped
+    later where it has none), the TF32 products of f32 weights, the
     f16 K/V (stored, or cast for flash attention) and, without flash attention,
     attention's kernels for the cache's type; ``not_followed`` lists the rest."""
     # f32 weights, of the file or, every one of them, of its f32 copy; the kernels by the
@@ -137,6 +141,7 @@ def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str
     sources = {"cuda_tf32": tf32}
     if dequant == "none":
         sources["cuda_activations"] = Roundings(cuda_activations=True, n_ubatch=n_ubatch)
+        sources["cuda_f16"] = Roundings(cuda_f16=True, n_ubatch=n_ubatch)
     if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
     if not flash:

@@ -52,7 +52,7 @@ USES_SUM = {
     "mmq": {"q4_1", "q5_1", "q4_k", "q5_k"},
 }
 EMULATED = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}
-FOLLOWED = EMULATED | {"f32"}  # the matmul weights whose CUDA kernels the engine follows
+FOLLOWED = EMULATED | {"f32", "f16"}  # the matmul weights whose CUDA kernels the engine follows
 # bytes per block of the types whose block fields are read (ggml-common.h): an fp16 d
 # first; q4_1 and q5_1 then an fp16 m; q4_K and q5_K an fp16 dmin and 12 bytes of scales
 BLOCK_BYTES = {"q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24, "q4_k": 144, "q5_k": 176}
@@ -211,6 +211,28 @@ def f32_linear(x: np.ndarray, w: np.ndarray, n_tokens: int) -> np.ndarray:
         return x @ w.T
     nearest = n_tokens > MMF_MAX_TOKENS
     return tf32(x, nearest) @ tf32(w, nearest).T
+
+
+def f16_linear(x: np.ndarray, w: np.ndarray, n_tokens: int) -> np.ndarray:
+    """x @ wᵀ for an f16 weight ``w`` as CUDA computes a matmul of ``n_tokens`` tokens at
+    the default precision (ggml_cuda_mul_mat, measured on layer 0 of a tiny model,
+    docs/results/cuda-roundings): MMVF with f16 accumulators for one token (every product
+    rounded to f16, each thread's products summed in f16: mmvf_weighted_sum), MMF for 2-16
+    (the activations rounded to f16, float32 sums), cuBLAS's f16 compute for more (runs of
+    16 products added to an f16 accumulator: cublas_f16_weighted_sum)."""
+    if n_tokens > MMF_MAX_TOKENS:
+        return cublas_f16_weighted_sum(x[None], w.T[None])[0]
+    if n_tokens > 1:
+        return f16(x) @ w.T
+    y = np.empty((len(x), len(w)))
+    rows_at_once = max(1, F16_VALUES_AT_ONCE // (2 * mmvf_block_size(x.shape[1]) * len(w)))
+    for start in range(0, len(x), rows_at_once):
+        rows = slice(start, start + rows_at_once)
+        y[rows] = mmvf_weighted_sum(x[None, rows], w.T[None], x.shape[1])[0]
+    return y
+
+
+F16_VALUES_AT_ONCE = 2**24  # MMVF's per-thread accumulators held at once (128 MiB)
 
 
 # Attention without flash attention (an f16 KV cache): K·Q (``GGML_PREC_F32``) and

@@ -280,16 +280,19 @@ class ExactModel:
         """x @ Wᵀ (+ the bias where the file has one, as llama.cpp's loader takes it: the
         weight's own ``.bias``, or ``bias``), the input rounded as the CPU rounds it for this
         weight's type when the ``activations`` switch is on, as CUDA's kernels do when
-        ``cuda_activations`` is (quantized weights) or ``cuda_tf32`` (f32 weights)."""
+        ``cuda_activations`` is (quantized weights), ``cuda_tf32`` (f32 weights) or
+        ``cuda_f16`` (f16 weights)."""
         bias = bias or name.removesuffix("weight") + "bias"
         r = self._roundings
         kind = "f32" if r.f32_copy else self.weights.type_of(name)
-        if (r.cuda_activations or r.cuda_tf32) and kind.lower() not in cuda.FOLLOWED:
+        if (r.cuda_activations or r.cuda_tf32 or r.cuda_f16) and kind.lower() not in cuda.FOLLOWED:
             raise NotEmulatedError(f"CUDA's matmuls of {kind} weights")
         if r.cuda_activations and kind.lower() in cuda.EMULATED:
             y = self._cuda_linear(self.rounded(x, lambda v: v), name)
         elif r.cuda_tf32 and kind == "f32":
-            y = self._cuda_f32_linear(self.rounded(x, lambda v: v), name)
+            y = self._by_tokens(self.rounded(x, lambda v: v), name, cuda.f32_linear)
+        elif r.cuda_f16 and kind.lower() == "f16":
+            y = self._by_tokens(self.rounded(x, lambda v: v), name, cuda.f16_linear)
         elif not r.activations:
             y = x @ self.weights[name].T
         else:
@@ -305,13 +308,19 @@ class ExactModel:
         rows = self.row_tokens
         return rows if len(rows) == n_rows else np.full(n_rows, n_rows)
 
-    def _cuda_f32_linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x @ Wᵀ for an f32 weight as CUDA computes each row (cuda.f32_linear)."""
+    def _by_tokens(
+        self,
+        x: np.ndarray,
+        name: str,
+        kernel: Callable[[np.ndarray, np.ndarray, int], np.ndarray],
+    ) -> np.ndarray:
+        """x @ Wᵀ as ``kernel`` (cuda.f32_linear, cuda.f16_linear) computes the rows of
+        each matmul size."""
         tokens = self._tokens_of_rows(len(x))
         y = np.empty((len(x), len(self.weights[name])))
         for n in np.unique(tokens):
             rows = tokens == n
-            y[rows] = cuda.f32_linear(x[rows], self.weights[name], int(n))
+            y[rows] = kernel(x[rows], self.weights[name], int(n))
         return y
 
     def _cuda_linear(self, x: np.ndarray, name: str) -> np.ndarray:

@@ -102,7 +102,7 @@ def emulate(
             arrays[name] = exact.logits(
                 np.array([h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])])
             )
-        except NotEmulatedError as exc:  # this set only (CUDA's switches before f16 weights)
+        except NotEmulatedError as exc:  # this set only (CUDA's switches before bf16 weights)
             not_emulated[name] = str(exc)
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
     has_f32 = _has_f32_matrices(exact)
@@ -128,7 +128,7 @@ def _changes_anything(
     """Whether a set of switches can change anything for this model: the GELU table only
     where it uses GELU, the activations' rounding only before weights that are not f32,
     CUDA's f32 kernels only where a matmul has f32 weights (``has_f32``; every one in the
-    f32 copy)."""
+    f32 copy), its f16 kernels only where a weight is f16."""
     quantized = {t.lower() for t in matmul_types}
     return (
         r.kv_f16
@@ -140,6 +140,7 @@ def _changes_anything(
         or (r.activations and bool(quantized))
         or (r.cuda_activations and bool(quantized & cuda.EMULATED))
         or (r.cuda_tf32 and (r.f32_copy or has_f32))
+        or (r.cuda_f16 and "f16" in quantized and not r.f32_copy)
     )
 
 

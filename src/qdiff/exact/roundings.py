@@ -24,7 +24,7 @@ float32 sums. What each switch follows:
   tiled path, float32 throughout but for the stored K and V.
 - ``gelu_table`` (CPU): GELU read from an fp16 table (ggml-cpu/vec.h, GGML_GELU_FP16).
 
-CUDA's ``cuda_activations``, ``cuda_tf32`` (its matmuls), ``cuda_attention`` and
+CUDA's ``cuda_activations``, ``cuda_tf32``, ``cuda_f16`` (its matmuls), ``cuda_attention`` and
 ``cuda_attention_kv_f32`` (its attention without flash attention, with an f16 or an f32 KV
 cache), each by the number of tokens of the ubatch, are followed in qdiff.exact.cuda.
 """
