@@ -91,7 +91,9 @@ def capture(
         tokens = model.tokenize(text_for(n_ctx), parse_special=False)
         for n in lengths:
             arrays: dict[str, np.ndarray] = {}
-            row = _capture_prompt(model, TensorCapture("-0$"), str(n), tokens[:n], "t", arrays)
+            row = _capture_prompt(
+                model, TensorCapture(LAYER0_NAMES), str(n), tokens[:n], "t", arrays
+            )
             first: dict[str, np.ndarray] = {}
             for t in row["tensors"]:
                 if t["key"] in arrays:
@@ -102,6 +104,8 @@ def capture(
     return out
 
 
+# layer 0's named tensors, and the flash-attention node, unnamed (its first is layer 0's)
+LAYER0_NAMES = "-0$|^FLASH_ATTN_EXT"
 FIRST_STEPS = [3, 5, 12, 40]  # prompt lengths of the whole-model check
 STARTS = [0, 7, 19, 31]  # where each prompt starts in the text's tokens
 # one token per ubatch (``ub1``): every row's attention takes MMVF; the last of 600 tokens
@@ -112,6 +116,9 @@ TEXT = "The quick brown fox jumps over the lazy dog. "
 # an f32 KV cache (``kv32``): K·Q and softmax·V take MMVF for 1-3 tokens, MMF for 4-16,
 # cuBLAS in TF32 mode for more (docs/gpu-arithmetic.md)
 KV32_LAYER0 = [1, 3, 5, 12, 40]
+# flash attention (``fa``): one token takes the VEC kernel, more the MMA_F16 kernel
+# (fattn.cu ggml_cuda_get_best_fattn_kernel), whose tiles of KV cells a long prompt crosses
+FA_LAYER0 = [1, 2, 5, 12, 40, 300]
 
 
 def first_steps(
@@ -120,6 +127,7 @@ def first_steps(
     n_ubatch: int = 512,
     lengths: list[int] = FIRST_STEPS,
     kv_cache_type: str = "f16",
+    flash_attn: bool = False,
 ) -> dict[str, np.ndarray]:
     """The first step's logits of prompts of ``lengths`` tokens, each from STARTS, the
     prompt in ubatches of ``n_ubatch`` tokens."""
@@ -130,7 +138,11 @@ def first_steps(
 
     log = init_backend()
     settings = DeviceSettings(
-        backend=backend, threads=1, n_ubatch=n_ubatch, kv_cache_type=kv_cache_type
+        backend=backend,
+        threads=1,
+        n_ubatch=n_ubatch,
+        kv_cache_type=kv_cache_type,
+        flash_attn=flash_attn,
     )
     gpu = devices_for_backend(backend, backend_devices())[0].handle if settings.on_gpu else None
     out: dict[str, np.ndarray] = {}
@@ -147,34 +159,50 @@ def first_steps(
     return out
 
 
+def save_ub1(out: Path, path: Path, target: str, backend: str) -> None:
+    steps = first_steps(path, backend, 1, UB1_STEPS)
+    np.savez_compressed(out / f"{target}-logits-ub1.npz", **steps)
+    print(f"{target}: {len(steps) // 2} first steps in one-token ubatches", flush=True)
+    for n, tensors in capture(path, UB1_LAYER0, backend, False, n_ubatch=1).items():
+        np.savez_compressed(out / f"{target}-ub1-{n}.npz", **tensors)
+
+
+def save_kv32(out: Path, path: Path, target: str, backend: str) -> None:
+    steps = first_steps(path, backend, kv_cache_type="f32")
+    np.savez_compressed(out / f"{target}-logits-kv32.npz", **steps)
+    print(f"{target}: {len(steps) // 2} first steps with an f32 KV cache", flush=True)
+    layer0 = capture(path, KV32_LAYER0, backend, False, kv_cache_type="f32")
+    for n, tensors in layer0.items():
+        np.savez_compressed(out / f"{target}-kv32-{n}.npz", **tensors)
+
+
+def save_fa(out: Path, path: Path, target: str, backend: str) -> None:
+    for n_ubatch, name in ((512, "fa"), (1, "fa-ub1")):
+        steps = first_steps(path, backend, n_ubatch, flash_attn=True)
+        np.savez_compressed(out / f"{target}-logits-{name}.npz", **steps)
+    print(f"{target}: first steps with flash attention", flush=True)
+    for n, tensors in capture(path, FA_LAYER0, backend, True).items():
+        np.savez_compressed(out / f"{target}-fa-{n}.npz", **tensors)
+
+
+MODES = {"ub1": save_ub1, "kv32": save_kv32, "fa": save_fa}
+
+
 def main() -> None:
-    """``capture.py OUT [BACKEND] [ub1 | kv32]``: with ``ub1``, only the first steps of
+    """``capture.py OUT [BACKEND] [ub1 | kv32 | fa]``: with ``ub1``, only the first steps of
     UB1_STEPS in one-token ubatches (``<target>-logits-ub1.npz``); with ``kv32``, the
     first steps and layer 0 with an f32 KV cache (``<target>-logits-kv32.npz``,
-    ``<target>-kv32-<n>.npz``)."""
+    ``<target>-kv32-<n>.npz``); with ``fa``, with flash attention (first steps in one
+    ubatch and in one-token ubatches, ``<target>-logits-fa.npz``, ``-fa-ub1.npz``, and
+    layer 0 at FA_LAYER0, ``<target>-fa-<n>.npz``)."""
     out = Path(sys.argv[1])
     backend = sys.argv[2] if len(sys.argv) > 2 else "cuda"
     out.mkdir(parents=True, exist_ok=True)
     models = out / "models"
     models.mkdir(exist_ok=True)
-    if sys.argv[3:] == ["ub1"]:
+    if len(sys.argv) > 3:
         for target in TARGETS:
-            path = make(models, target)
-            steps = first_steps(path, backend, 1, UB1_STEPS)
-            np.savez_compressed(out / f"{target}-logits-ub1.npz", **steps)
-            print(f"{target}: {len(steps) // 2} first steps in one-token ubatches", flush=True)
-            for n, tensors in capture(path, UB1_LAYER0, backend, False, n_ubatch=1).items():
-                np.savez_compressed(out / f"{target}-ub1-{n}.npz", **tensors)
-        return
-    if sys.argv[3:] == ["kv32"]:
-        for target in TARGETS:
-            path = make(models, target)
-            steps = first_steps(path, backend, kv_cache_type="f32")
-            np.savez_compressed(out / f"{target}-logits-kv32.npz", **steps)
-            print(f"{target}: {len(steps) // 2} first steps with an f32 KV cache", flush=True)
-            layer0 = capture(path, KV32_LAYER0, backend, False, kv_cache_type="f32")
-            for n, tensors in layer0.items():
-                np.savez_compressed(out / f"{target}-kv32-{n}.npz", **tensors)
+            MODES[sys.argv[3]](out, make(models, target), target, backend)
         return
     rows = []
     for target in TARGETS:
