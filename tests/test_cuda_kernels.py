@@ -625,3 +625,71 @@ def test_first_steps_with_an_f32_cache_are_the_h200s_to_float32s_level(
             residual[name] = np.median(np.abs(run - made).max(axis=1))
         assert residual["planned"] < 1e-5, (n, residual)
         assert (residual["matmuls"] > 0.05) == (n > cuda.MMVF_MAX_TOKENS), (n, residual)
+
+
+H200_FA = H200.parent / "h200-fa"
+FA_LENGTHS = [1, 2, 5, 12, 40]  # capture.py's FA_LAYER0 within one tile of KV cells: VEC, MMA
+
+
+def _flash_shares(model: ExactModel, target: str, n: int) -> tuple[float, float]:
+    """The shares of the H200's flash-attention output at the last of n tokens (layer 0)
+    equal to float32's level: to plain attention over the f16 K and V (VEC's float32), and
+    to the MMA_F16 kernel's arithmetic (cuda.mma_flash_query, cuda.mma_flash_sum)."""
+    tensors = np.load(H200_FA / f"{target}-fa-{n}.npz")
+    q, k, v = _attention_inputs_of_layer0(model, tensors["tokens"])
+    k, v = cuda.f16(k), cuda.f16(v)
+    heads, scale = model.hp.n_head, model.hp.attn_scale
+    theirs = tensors["FLASH_ATTN_EXT (unnamed)"].reshape(heads, -1).astype(np.float64)
+    scores = np.einsum("hd,hnd->hn", q * scale, k)
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    plain = np.einsum("hn,hnd->hd", p, v) / p.sum(axis=1, keepdims=True)
+    mma_scores = np.einsum("hd,hnd->hn", cuda.mma_flash_query(q, scale, 0.0), k)
+    mma = cuda.mma_flash_sum(mma_scores[:, None], v)[:, 0]
+    return _share_equal(plain, theirs), _share_equal(mma, theirs)
+
+
+@pytest.mark.parametrize("target", ["f32", "q8_0", "q4_k_m"])
+def test_flash_attention_takes_its_kernels_arithmetic_on_h200_tensors(
+    files: dict[str, Path], target: str
+) -> None:
+    """Flash attention's output at the last of n tokens in one ubatch (f16 K and V): one
+    token, the VEC kernel, is plain float32 attention; 2-40 tokens, the MMA_F16 kernel, Q
+    and the softmax weights (against the maximum plus FATTN_KQ_MAX_OFFSET) in f16, runs of
+    16 cells added in f16, the unrounded weights' sum dividing at the end: at least 70% of
+    the values equal to float32's level under the kernel's arithmetic (measured: 82-100%),
+    at most 10% under the other (0-2%). At 300 tokens, beyond one tile of cells, neither
+    (0-1%): not followed (roundings.CUDA_FLASH)."""
+    model = ExactModel(files[target])
+    for n in FA_LENGTHS:
+        plain, mma = _flash_shares(model, target, n)
+        ours, other = (plain, mma) if cuda.flash_kernel(n) == "vec" else (mma, plain)
+        assert ours >= 0.7 and other <= 0.1, (n, plain, mma)
+    assert max(_flash_shares(model, target, 300)) <= 0.1
+
+
+@pytest.mark.parametrize("target", ["q8_0", "q4_k_m"])
+def test_first_steps_with_flash_attention_are_the_h200s_to_float32s_level(
+    files: dict[str, Path], target: str
+) -> None:
+    """Prompts of 3 tokens in one ubatch with flash attention (MMVQ; MMA_F16): the sources
+    the pipeline plans for such a device within 1e-5 of the H200's logits at the median
+    prompt, 0.05 or more away without the flash switch (measured: 0.19); prompts of 3 and 5
+    tokens in one-token ubatches (VEC: float32) within 1e-5 with or without it."""
+    model = ExactModel(files[target])
+    model.first_step_only = True
+    for name, n_ubatch, lengths in (("fa", 512, (3,)), ("fa-ub1", 1, (3, 5))):
+        runs = np.load(H200_FA / f"{target}-logits-{name}.npz")
+        settings = DeviceSettings(backend="cuda", flash_attn=True, n_ubatch=n_ubatch)
+        planned = together(sources_of(settings.as_dict(), "none"))
+        assert planned.cuda_flash and planned.kv_f16
+        for n in lengths:
+            keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
+            prompts = [list(runs[k + "-tokens"]) for k in keys]
+            run = np.array([runs[k] for k in keys], dtype=np.float64)
+            residual = {}
+            for switch in (True, False):
+                model.roundings = dataclasses.replace(planned, cuda_flash=switch)
+                made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+                residual[switch] = np.median(np.abs(run - made).max(axis=1))
+            assert residual[True] < 1e-5, (name, n, residual)
+            assert (residual[False] > 0.05) == (n_ubatch > 1), (name, n, residual)

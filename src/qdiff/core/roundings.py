@@ -28,6 +28,7 @@ class Roundings:
     # with an f16 KV cache, or with an f32 one (TF32 products)
     cuda_attention: bool = False
     cuda_attention_kv_f32: bool = False
+    cuda_flash: bool = False  # CUDA's flash attention: VEC for one token, MMA_F16 for more
     # the f32 copy's weights: every matmul weight is f32 (the file's values), so it takes
     # the f32 kernels (on CUDA: MMVF, MMF or cuBLAS), not the file's type's
     f32_copy: bool = False
@@ -36,9 +37,10 @@ class Roundings:
     jitter: int = 0
 
     def __post_init__(self) -> None:
-        if self.cuda_attention and self.cuda_attention_kv_f32:
+        if sum((self.cuda_attention, self.cuda_attention_kv_f32, self.cuda_flash)) > 1:
             raise ValueError(
-                "cuda_attention (f16 KV cache) and cuda_attention_kv_f32 exclude each other"
+                "cuda_attention (f16 KV cache), cuda_attention_kv_f32 and cuda_flash "
+                "exclude each other"
             )
 
     @property
@@ -52,6 +54,7 @@ class Roundings:
             or self.cuda_f16
             or self.cuda_attention
             or self.cuda_attention_kv_f32
+            or self.cuda_flash
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -77,10 +80,14 @@ SOURCE_LABELS = {
     "cuda_f16": "CUDA's f16 weights (f16 activations; f16 products for one token, f16 sums for more than 16)",
     "cuda_attention": "CUDA's attention (f16 softmax weights; f16 products for one token, f16 sums for more than 16)",
     "cuda_attention_kv_f32": "CUDA's attention with an f32 KV cache (TF32 products above 3 tokens)",
+    "cuda_flash": "CUDA's flash attention (above one token: f16 Q and softmax weights, f16 sums)",
 }
 # what the engine does not follow (yet) of CUDA's arithmetic, where it acts: a residual
 # above the floor is expected there (docs/gpu-arithmetic.md)
-CUDA_FLASH = "flash attention's f16 Q, softmax weights and sums"
+CUDA_FLASH = (
+    "flash attention beyond its first tile of KV cells (32-128 by head size: the MMA kernel's "
+    "running maximum per tile and its split of the cells among blocks)"
+)
 
 
 def not_followed(settings: dict[str, Any]) -> list[str]:
@@ -144,7 +151,9 @@ def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str
         sources["cuda_f16"] = Roundings(cuda_f16=True, n_ubatch=n_ubatch)
     if kv == "f16" or flash:
         sources["kv_f16"] = Roundings(kv_f16=True)
-    if not flash:
+    if flash:
+        sources["cuda_flash"] = Roundings(cuda_flash=True, n_ubatch=n_ubatch)
+    else:
         name = "cuda_attention" if kv == "f16" else "cuda_attention_kv_f32"
         sources[name] = Roundings(**{name: True}, n_ubatch=n_ubatch)
     return sources

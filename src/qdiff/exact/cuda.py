@@ -311,6 +311,42 @@ def mmvf_weighted_sum(p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
     return out
 
 
+# Flash attention (fattn.cu ggml_cuda_get_best_fattn_kernel, f16 K and V): a ubatch of one
+# token takes the VEC kernel, in float32 on NVIDIA (fattn-vec.cuh without
+# V_DOT2_F32_F16_AVAILABLE); more tokens the MMA_F16 kernel (fattn-mma-f16.cuh): Q in f16
+# times the f16 scale (``scale_h2 * make_half2``), K·Q summed in float32, the softmax
+# weights exp(S - max - FATTN_KQ_MAX_OFFSET) in float32, summed unrounded into the divisor,
+# and rounded to f16 for P·V, whose tensor cores add each run of 16 cells' products to an
+# f16 accumulator (``T_C_VKQ``: half2), in cell order; the divisor applied at the end.
+# Matched on the H200's layer 0 for prompts of 2-40 tokens (docs/results/cuda-roundings,
+# h200-fa/); rows that see more than a tile of cells (32-128 by head size and query
+# columns: nbatch_fa) take a running maximum per tile and may be split among blocks: not
+# followed (roundings.CUDA_FLASH).
+FATTN_KQ_MAX_OFFSET = float(np.float32(3.0) * np.float32(0.6931))  # fattn-common.cuh
+
+
+def flash_kernel(n_tokens: int) -> str:
+    """The flash-attention kernel a ubatch of ``n_tokens`` tokens takes on this GPU (a
+    model of at most 4 query heads per KV head, head size 64-256)."""
+    return "vec" if n_tokens == 1 else "mma"
+
+
+def mma_flash_query(q: np.ndarray, scale: float, softcap: float) -> np.ndarray:
+    """Q as the MMA_F16 kernel takes it: rounded to f16, then times the f16 scale (the
+    scale over the softcap where the model caps its scores) in f16."""
+    factor = scale / softcap if softcap else scale
+    return f16(f16(q) * f16(np.asarray(factor)))
+
+
+def mma_flash_sum(scores: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """The MMA_F16 kernel's output from its ``scores`` (heads, rows, keys; masked ones
+    -inf; soft-capped already) and the f16 ``v`` (heads, keys, d): the weights against the
+    row's maximum plus FATTN_KQ_MAX_OFFSET, in f16 and summed as cublas_f16_weighted_sum
+    adds them, over the unrounded weights' sum."""
+    weights = np.exp(scores - (scores.max(axis=-1, keepdims=True) + FATTN_KQ_MAX_OFFSET))
+    return cublas_f16_weighted_sum(weights, v) / weights.sum(axis=-1)[..., None]
+
+
 CUBLAS_F16_RUN = 16  # cells whose products one step of cuBLAS's f16 GEMM adds at once
 
 

@@ -382,6 +382,8 @@ class ExactModel:
         if r.cuda_attention or r.cuda_attention_kv_f32:
             tokens = self._tokens_of_rows(n)
             kernels = np.array([cuda.attention_kernel(t, r.cuda_attention) for t in tokens])
+        elif r.cuda_flash:
+            kernels = np.array([cuda.flash_kernel(t) for t in self._tokens_of_rows(n)])
         out = np.empty_like(q)
         for rows in _spans(lengths):
             at = positions[rows]
@@ -410,6 +412,8 @@ class ExactModel:
             return self._cuda_attention(q, k, v, masked, scores, kernels)
         if r.cuda_attention_kv_f32:
             return self._cuda_attention_kv_f32(q, k, v, masked, scores, kernels)
+        if r.cuda_flash:
+            return self._cuda_flash(q, k, v, masked, scores, kernels)
         if r.qp_f16:
             out = _softmax_attention(self.rounded(q, f16), k, v, masked, scores, self._f16_weights)
         else:
@@ -484,6 +488,36 @@ class ExactModel:
                 return self.rounded(p, operand) @ v_part
 
             out[rows] = _softmax_attention(q_used, k_used, v_used, masked[rows], scores, weigh)
+        return out
+
+    def _cuda_flash(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        masked: np.ndarray,
+        scores: Scores,
+        kernels: np.ndarray,
+    ) -> np.ndarray:
+        """One sequence's flash attention as CUDA computes it (K and V in f16 already):
+        rows of one-token ubatches by the VEC kernel (float32), the others by MMA_F16
+        (cuda.mma_flash_query, cuda.mma_flash_sum), blocks of ATTENTION_BLOCK rows over the
+        keys from the first cell to the last any of them sees."""
+        out = np.empty_like(q)
+        vec = kernels == "vec"
+        if vec.any():
+            out[vec] = _softmax_attention(q[vec], k, v, masked[vec], scores)
+        mma = np.flatnonzero(~vec)
+        qh = cuda.mma_flash_query(self.rounded(q, np.asarray), scores.scale, scores.softcap)
+        qh, kh, vh = qh.transpose(1, 0, 2), k.transpose(1, 2, 0), v.transpose(1, 0, 2)
+        for start in range(0, len(mma), ATTENTION_BLOCK):
+            rows = mma[start : start + ATTENTION_BLOCK]
+            keys = slice(0, int(np.flatnonzero(~masked[rows].all(axis=0)).max()) + 1)
+            s = qh[:, rows] @ kh[:, :, keys]
+            s = scores.softcap * np.tanh(s) if scores.softcap else s
+            s = self.rounded(s, np.asarray)
+            np.copyto(s, -np.inf, where=masked[rows, keys])
+            out[rows] = cuda.mma_flash_sum(s, vh[:, keys]).transpose(1, 0, 2)
         return out
 
     def _mmvf_weights(self, p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:

@@ -136,6 +136,7 @@ def _changes_anything(
         or r.flash_cpu
         or r.cuda_attention
         or r.cuda_attention_kv_f32
+        or r.cuda_flash
         or (r.gelu_table and exact.hp.arch.activation == "gelu")
         or (r.activations and bool(quantized))
         or (r.cuda_activations and bool(quantized & cuda.EMULATED))
