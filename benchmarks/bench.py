@@ -371,8 +371,8 @@ def text_stage(workdir: Path, perplexity: Path | None) -> None:
             1.20,
             "lower",
             f"one process, {n:.0f} windows of its combinations, a combination's windows "
-            f"scored {TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.1f} s scored "
-            f"and recorded, {bare:.1f} s scored bare",
+            f"scored {TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.3f} s scored "
+            f"and recorded, {bare:.3f} s scored bare ({stage / n:.4f} / {bare / n:.4f} s a window)",
         )
     if perplexity is not None:
         perplexity_against_stage(workdir, perplexity, by_backend)
