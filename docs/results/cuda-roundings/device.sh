@@ -13,7 +13,9 @@
 # h200-kv32/ (capture.py's kv32, an f32 KV cache) was captured on 2026-12-04 on a machine
 # where docs/results/seed-long/device.sh had built the wheel (`build cuda perplexity`) and
 # installed .carry/whl, by one call: PYTHONPATH=$PWD/src:/tmp/site python3
-# docs/results/cuda-roundings/capture.py /tmp/capkv32 cuda kv32, packed as below (README.md).
+# docs/results/cuda-roundings/capture.py /tmp/capkv32 cuda kv32, packed as below (README.md);
+# h200-fa/ likewise on a fresh machine after `part sdist0`, `part sdist1`, `build cuda`, one
+# call installing .carry/whl-capture into /tmp/site, then capture.py /tmp/capfa cuda fa.
 # .carry/ is made here by docs/results/seed-long/carry.sh (the trimmed sdist; the wheels the
 # H200 lacks). It builds llama-cpp-python with CUDA only (4-5 min on 16 cores), then runs
 # capture.py beside this file and packs its output into $OUT.

@@ -326,8 +326,9 @@ FATTN_KQ_MAX_OFFSET = float(np.float32(3.0) * np.float32(0.6931))  # fattn-commo
 
 
 def flash_kernel(n_tokens: int) -> str:
-    """The flash-attention kernel a ubatch of ``n_tokens`` tokens takes on this GPU (a
-    model of at most 4 query heads per KV head, head size 64-256)."""
+    """The flash-attention kernel a ubatch of ``n_tokens`` tokens takes on this GPU, for a
+    head size of 64, 128 or 256 and at most 4 query heads per KV head (fattn.cu:635-664;
+    other heads take MMA_F16 for one token too: not followed)."""
     return "vec" if n_tokens == 1 else "mma"
 
 
@@ -354,7 +355,7 @@ def cublas_f16_weighted_sum(
     p: np.ndarray, v: np.ndarray, run_cells: int = CUBLAS_F16_RUN
 ) -> np.ndarray:
     """softmax·V of more than MMF_MAX_TOKENS rows as cuBLAS computes it at the default
-    precision (ggml_cuda_mul_mat_batched_cublas: CUBLAS_COMPUTE_16F, an f16 result that
+    precision (ggml_cuda_mul_mat_cublas_impl: CUBLAS_COMPUTE_16F, an f16 result that
     ggml converts to float32): the weights ``p`` (heads, rows, keys, from the cache's first
     cell) rounded to f16; the products of each run of ``run_cells`` cells summed, and each
     run's sum added in cell order to an f16 accumulator, every addition rounded to f16.

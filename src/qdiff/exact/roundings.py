@@ -26,7 +26,8 @@ float32 sums. What each switch follows:
 
 CUDA's ``cuda_activations``, ``cuda_tf32``, ``cuda_f16`` (its matmuls), ``cuda_attention`` and
 ``cuda_attention_kv_f32`` (its attention without flash attention, with an f16 or an f32 KV
-cache), each by the number of tokens of the ubatch, are followed in qdiff.exact.cuda.
+cache) and ``cuda_flash`` (its flash attention within one tile of KV cells), each by the
+number of tokens of the ubatch, are followed in qdiff.exact.cuda.
 """
 
 from __future__ import annotations
