@@ -515,6 +515,19 @@ def test_attention_rows_take_the_kernels_of_their_ubatch(files: dict[str, Path])
     assert f32_cache == ["mmvf", "mmvf", "mmf", "mmf", "cublas"]
 
 
+def _first_step_residual(
+    model: ExactModel, runs: np.lib.npyio.NpzFile, n: int, roundings: Roundings
+) -> float:
+    """The median over a capture's prompts of n tokens of max |Δ| between the H200's first
+    step (``runs``: capture.py's first steps) and the engine's with ``roundings``."""
+    keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
+    prompts = [list(runs[k + "-tokens"]) for k in keys]
+    run = np.array([runs[k] for k in keys], dtype=np.float64)
+    model.roundings = roundings
+    made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+    return float(np.median(np.abs(run - made).max(axis=1)))
+
+
 @pytest.mark.parametrize("target", ["q8_0", "q4_1", "q5_k_m", "q6_k"])
 def test_first_steps_in_one_token_ubatches_are_the_h200s_to_float32s_level(
     files: dict[str, Path], target: str
@@ -530,14 +543,10 @@ def test_first_steps_in_one_token_ubatches_are_the_h200s_to_float32s_level(
     assert planned.cuda_attention and planned.n_ubatch == 1
     matmuls = dataclasses.replace(planned, cuda_attention=False)
     for n in (3, 5):
-        keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
-        prompts = [list(runs[k + "-tokens"]) for k in keys]
-        run = np.array([runs[k] for k in keys], dtype=np.float64)
-        residual = {}
-        for name, r in (("planned", planned), ("matmuls", matmuls)):
-            model.roundings = r
-            made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
-            residual[name] = np.median(np.abs(run - made).max(axis=1))
+        residual = {
+            name: _first_step_residual(model, runs, n, r)
+            for name, r in (("planned", planned), ("matmuls", matmuls))
+        }
         assert residual["planned"] < 1e-5 and residual["matmuls"] > 1e-2, (n, residual)
 
 
@@ -619,14 +628,10 @@ def test_first_steps_with_an_f32_cache_are_the_h200s_to_float32s_level(
     assert planned.cuda_attention_kv_f32 and not planned.kv_f16
     matmuls = dataclasses.replace(planned, cuda_attention_kv_f32=False)
     for n in (3, 5):
-        keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
-        prompts = [list(runs[k + "-tokens"]) for k in keys]
-        run = np.array([runs[k] for k in keys], dtype=np.float64)
-        residual = {}
-        for name, r in (("planned", planned), ("matmuls", matmuls)):
-            model.roundings = r
-            made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
-            residual[name] = np.median(np.abs(run - made).max(axis=1))
+        residual = {
+            name: _first_step_residual(model, runs, n, r)
+            for name, r in (("planned", planned), ("matmuls", matmuls))
+        }
         assert residual["planned"] < 1e-5, (n, residual)
         assert (residual["matmuls"] > 0.05) == (n > cuda.MMVF_MAX_TOKENS), (n, residual)
 
@@ -687,13 +692,11 @@ def test_first_steps_with_flash_attention_are_the_h200s_to_float32s_level(
         planned = together(sources_of(settings.as_dict(), "none"))
         assert planned.cuda_flash and planned.kv_f16
         for n in lengths:
-            keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
-            prompts = [list(runs[k + "-tokens"]) for k in keys]
-            run = np.array([runs[k] for k in keys], dtype=np.float64)
-            residual = {}
-            for switch in (True, False):
-                model.roundings = dataclasses.replace(planned, cuda_flash=switch)
-                made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
-                residual[switch] = np.median(np.abs(run - made).max(axis=1))
+            residual = {
+                switch: _first_step_residual(
+                    model, runs, n, dataclasses.replace(planned, cuda_flash=switch)
+                )
+                for switch in (True, False)
+            }
             assert residual[True] < 1e-5, (name, n, residual)
             assert (residual[False] > 0.05) == (n_ubatch > 1), (name, n, residual)

@@ -26,7 +26,7 @@ from qdiff.core.roundings import sources_of, together  # noqa: E402
 from qdiff.core.settings import DeviceSettings  # noqa: E402
 from qdiff.exact import cuda  # noqa: E402
 from qdiff.exact.model import ExactModel  # noqa: E402
-from test_cuda_kernels import H200_FA, _flash_shares  # noqa: E402
+from test_cuda_kernels import H200_FA, _first_step_residual, _flash_shares  # noqa: E402
 
 TARGETS = ["f32", "q8_0", "q4_k_m"]
 
@@ -38,14 +38,10 @@ def first_steps(model: ExactModel, target: str) -> None:
         settings = DeviceSettings(backend="cuda", flash_attn=True, n_ubatch=n_ubatch)
         planned = together(sources_of(settings.as_dict(), "none"))
         for n in FIRST_STEPS:
-            keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
-            prompts = [list(runs[k + "-tokens"]) for k in keys]
-            run = np.array([runs[k] for k in keys], dtype=np.float64)
-            line = []
-            for switch in (True, False):
-                model.roundings = dataclasses.replace(planned, cuda_flash=switch)
-                made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
-                line.append(f"{np.median(np.abs(run - made).max(axis=1)):.2g}")
+            line = [
+                f"{_first_step_residual(model, runs, n, dataclasses.replace(planned, cuda_flash=on)):.2g}"
+                for on in (True, False)
+            ]
             print(
                 f"{target:7s} n_ubatch {n_ubatch:3d}, {n:3d} tokens, first steps: with "
                 f"cuda_flash {line[0]}, without {line[1]}"

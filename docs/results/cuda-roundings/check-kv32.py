@@ -20,13 +20,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from capture import KV32_LAYER0, make  # noqa: E402  (beside this file)
+from capture import KV32_LAYER0, STARTS, make  # noqa: E402  (beside this file)
 
 from qdiff.core.roundings import sources_of, together  # noqa: E402
 from qdiff.core.settings import DeviceSettings  # noqa: E402
 from qdiff.exact import cuda  # noqa: E402
 from qdiff.exact.model import ExactModel  # noqa: E402
-from test_cuda_kernels import _attention_inputs_of_layer0, _share_equal  # noqa: E402
+from test_cuda_kernels import (  # noqa: E402
+    _attention_inputs_of_layer0,
+    _first_step_residual,
+    _share_equal,
+)
 
 CAPTURES = Path(__file__).parent / "h200-kv32"
 TARGETS = ["f32", "q8_0", "q4_k_m"]
@@ -62,15 +66,13 @@ def first_steps(model: ExactModel, target: str) -> None:
     planned = together(sources_of(settings, "none"))
     without = dataclasses.replace(planned, cuda_attention_kv_f32=False)
     for n in (3, 5, 12, 40):
-        keys = [k for k in runs if k.startswith(f"{n}-") and not k.endswith("-tokens")]
-        prompts = [list(runs[k + "-tokens"]) for k in keys]
-        run = np.array([runs[k] for k in keys], dtype=np.float64)
-        line = []
-        for name, r in (("planned", planned), ("without the attention's switch", without)):
-            model.roundings = r
-            made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
-            line.append(f"{name} {np.median(np.abs(run - made).max(axis=1)):.2g}")
-        print(f"{target:7s} {n:3d} tokens, first steps (median of {len(keys)}): " + "; ".join(line))
+        line = [
+            f"{name} {_first_step_residual(model, runs, n, r):.2g}"
+            for name, r in (("planned", planned), ("without the attention's switch", without))
+        ]
+        print(
+            f"{target:7s} {n:3d} tokens, first steps (median of {len(STARTS)}): " + "; ".join(line)
+        )
 
 
 def main() -> None:
