@@ -10,29 +10,17 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from qdiff.core.forced import recording_workers
 from qdiff.core.formats import GGML_TYPES
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.bindings import llama_cpp
 
 ALL_LAYERS = 0x7FFFFFFF  # llama.cpp clamps this to the model's layer count
-
-
-def copy_rows(dst: np.ndarray, src: np.ndarray, pool: ThreadPoolExecutor, workers: int) -> None:
-    """``dst[:] = src``, the rows shared among ``workers`` threads of ``pool`` (numpy's copy
-    releases the GIL): one core copies a window's logits in about half the time a GPU
-    takes to score them (docs/results/bench-h200/recorder-profile.log), and the copy
-    stands between one window's scoring and the next."""
-    cuts = np.linspace(0, len(src), min(workers, len(src)) + 1).astype(int)
-    # list(): a worker's exception is raised here
-    list(pool.map(lambda lo, hi: np.copyto(dst[lo:hi], src[lo:hi]), cuts[:-1], cuts[1:]))
 
 
 class ModelLoadError(RuntimeError):
@@ -350,8 +338,6 @@ class LoadedModel:
         self.clear()
         n_batch = self.device.n_batch
         batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-        workers = recording_workers()
-        copying = ThreadPoolExecutor(workers)
         try:
             # one sequence throughout: its ids once, the tokens, positions and output flags
             # of each batch through numpy views of the batch's arrays
@@ -375,10 +361,9 @@ class LoadedModel:
                 if n_out:
                     pointer = llama_cpp.llama_get_logits(self._ctx)  # waits for the device
                     logits = np.ctypeslib.as_array(pointer, shape=(n_out, self.n_vocab))
-                    copy_rows(out[done : done + n_out], logits, copying, workers)
+                    out[done : done + n_out] = logits
                     done += n_out
         finally:
-            copying.shutdown()
             llama_cpp.llama_batch_free(batch)
         llama_cpp.llama_synchronize(self._ctx)
         return out
