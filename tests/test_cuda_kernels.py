@@ -327,6 +327,36 @@ def test_weights_whose_cuda_kernel_is_not_followed_leave_that_budget_unmeasured(
     assert row == {"status": "n/a", "reason": "not emulated: CUDA's matmuls of bf16 weights"}
 
 
+@pytest.mark.parametrize("target", ["f32", "q8_0", "q4_k_m"])
+def test_a_set_that_changes_nothing_takes_the_plain_answer(
+    files: dict[str, Path], target: str
+) -> None:
+    """emulate() computes the plain answer once for every set _changes_anything says
+    cannot change this model (the GELU table of a SiLU model, activations before f32
+    weights, CUDA's f16 kernels without f16 weights ...): each such set, computed anyway,
+    is that answer bit for bit."""
+    settings = {
+        f"{device}.{dequant}": (DeviceSettings(**kw).as_dict(), dequant)
+        for device, kw in (
+            ("cpu", {"backend": "cpu"}),
+            ("cuda", {"backend": "cuda"}),
+            ("cuda-fa", {"backend": "cuda", "flash_attn": True}),
+        )
+        for dequant in ("none", "f32")
+    }
+    configs, _ = plan(settings)
+    run = {"generation": {"n_ctx": 64}, "prompts": [{"id": "p", "prompt_tokens": [3, 4, 5, 6]}]}
+    record, arrays = emulate(files[target], run, configs)
+    idle = [name for name, applies in record["applies"].items() if not applies]
+    assert idle, "no set that changes nothing: the test would test nothing"
+    model = ExactModel(files[target], n_ctx=64)
+    model.first_step_only = True
+    for name in idle:
+        model.roundings = Roundings.from_dict(configs[name])
+        computed = model.logits(np.array([h[-1] for h in model.hidden([[3, 4, 5, 6]])]))
+        assert np.array_equal(computed, arrays[name]), name
+
+
 def test_cuda_sets_are_named_by_their_ubatch() -> None:
     assert config_id(Roundings(cuda_activations=True, n_ubatch=64)) == "cuda_activations@ub64"
     assert config_id(Roundings(kv_f16=True, n_ubatch=64)) == "kv_f16"
@@ -640,6 +670,29 @@ H200_FA = H200.parent / "h200-fa"
 FA_LENGTHS = [1, 2, 5, 12, 40]  # capture.py's FA_LAYER0 within one tile of KV cells: VEC, MMA
 
 
+def _flash_kernel_of(model: ExactModel, n: int) -> str:
+    """The flash-attention kernel a ubatch of a prompt's n tokens takes for ``model``."""
+    hp = model.hp
+    cells = cuda.kv_cells(np.array([n - 1]))[0]
+    return cuda.flash_kernel(n, hp.head_dim, hp.n_head // hp.n_head_kv, cells)
+
+
+def test_flash_attention_picks_its_kernel_by_tokens_head_and_heads_per_kv_head() -> None:
+    """fattn.cu's choice on the H200 (Ada or later, f16 K and V, a padded cache): VEC for
+    one token with a head of 64, 128 or 256 and at most 4 query heads per KV head (more
+    with a head below 256 and under 8,192 cells); MMA_F16 for more tokens and for other
+    heads; the TILE kernel of heads of 40 and 72 is not followed."""
+    assert cuda.flash_kernel(1, 64, 3, 256) == "vec"  # SmolLM2
+    assert cuda.flash_kernel(1, 256, 4, 256) == "vec"  # Gemma 3 270M
+    assert cuda.flash_kernel(1, 64, 7, 4096) == "vec"  # Qwen2 0.5B
+    assert cuda.flash_kernel(2, 64, 3, 256) == "mma"
+    assert cuda.flash_kernel(1, 96, 1, 256) == "mma"  # Phi-3's head: no VEC instance
+    assert cuda.flash_kernel(1, 256, 8, 256) == "mma"
+    assert cuda.flash_kernel(1, 64, 7, 8192) == "mma"
+    with pytest.raises(NotEmulatedError, match="TILE"):
+        cuda.flash_kernel(1, 72, 1, 256)
+
+
 def _flash_shares(model: ExactModel, target: str, n: int) -> tuple[float, float]:
     """The shares of the H200's flash-attention output at the last of n tokens (layer 0)
     equal to float32's level: to plain attention over the f16 K and V (VEC's float32), and
@@ -671,7 +724,7 @@ def test_flash_attention_takes_its_kernels_arithmetic_on_h200_tensors(
     model = ExactModel(files[target])
     for n in FA_LENGTHS:
         plain, mma = _flash_shares(model, target, n)
-        ours, other = (plain, mma) if cuda.flash_kernel(n) == "vec" else (mma, plain)
+        ours, other = (plain, mma) if _flash_kernel_of(model, n) == "vec" else (mma, plain)
         assert ours >= 0.7 and other <= 0.1, (n, plain, mma)
     assert max(_flash_shares(model, target, 300)) <= 0.1
 

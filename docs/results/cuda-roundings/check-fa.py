@@ -24,9 +24,13 @@ from capture import FA_LAYER0, FIRST_STEPS, make  # noqa: E402  (beside this fil
 
 from qdiff.core.roundings import sources_of, together  # noqa: E402
 from qdiff.core.settings import DeviceSettings  # noqa: E402
-from qdiff.exact import cuda  # noqa: E402
 from qdiff.exact.model import ExactModel  # noqa: E402
-from test_cuda_kernels import H200_FA, _first_step_residual, _flash_shares  # noqa: E402
+from test_cuda_kernels import (  # noqa: E402
+    H200_FA,
+    _first_step_residual,
+    _flash_kernel_of,
+    _flash_shares,
+)
 
 TARGETS = ["f32", "q8_0", "q4_k_m"]
 
@@ -54,7 +58,7 @@ def main() -> None:
             model = ExactModel(make(Path(folder), target))
             for n in FA_LAYER0:
                 plain, mma = _flash_shares(model, target, n)
-                kernel = cuda.flash_kernel(n)
+                kernel = _flash_kernel_of(model, n)
                 print(f"{target:7s} {n:3d} tokens ({kernel}): plain {plain:.2f}, MMA_F16 {mma:.2f}")
             first_steps(model, target)
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from qdiff.core.records import failure_text
-from qdiff.core.roundings import FA_TILE_Q, SOURCE_LABELS, plan
+from qdiff.core.roundings import FA_TILE_Q, SOURCE_LABELS, not_followed, plan
 
 ALPHA = 0.01  # the test's level: "unexplained" is wrong once in a hundred faithful emulations
 # a floor of at least this share of the distance from exact leaves the test without power:
@@ -148,6 +148,9 @@ def combination_budget(
     emulations (``roundings``: the exact_roundings record and arrays) and its serving
     job's record (the floor), or why there is none."""
     entry = plan({"run": (record["settings"], record["dequant"])})[1]["run"]
+    if "sources" in entry:  # what is not followed, for these prompts' lengths
+        longest = max((len(p["prompt_tokens"]) for p in record["prompts"]), default=0)
+        entry["not_followed"] = not_followed(record["settings"], longest)
     emulation, emulated = roundings
     if emulation["status"] != "ok":  # the report lists it with the failures
         return {"status": "failed", "reason": f"no emulation: {failure_text(emulation)}"}

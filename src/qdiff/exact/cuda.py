@@ -320,16 +320,28 @@ def mmvf_weighted_sum(p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
 # f16 accumulator (``T_C_VKQ``: half2), in cell order; the divisor applied at the end.
 # Matched on the H200's layer 0 for prompts of 2-40 tokens (docs/results/cuda-roundings,
 # h200-fa/); rows that see more than a tile of cells (32-128 by head size and query
-# columns: nbatch_fa) take a running maximum per tile and may be split among blocks: not
-# followed (roundings.CUDA_FLASH).
+# columns: nbatch_fa) are split among blocks (stream-k), each tile with its own maximum and
+# f16 sum, folded together in float32 (flash_attn_stream_k_fixup_*): not followed
+# (roundings.CUDA_FLASH; docs/results/cuda-roundings/explore-fa-tiles.py tries it).
 FATTN_KQ_MAX_OFFSET = float(np.float32(3.0) * np.float32(0.6931))  # fattn-common.cuh
 
 
-def flash_kernel(n_tokens: int) -> str:
-    """The flash-attention kernel a ubatch of ``n_tokens`` tokens takes on this GPU, for a
-    head size of 64, 128 or 256 and at most 4 query heads per KV head (fattn.cu:635-664;
-    other heads take MMA_F16 for one token too: not followed)."""
-    return "vec" if n_tokens == 1 else "mma"
+VEC_HEADS = (64, 128, 256)  # fattn.cu:627 can_use_vector_kernel: at most 256, % 64, not 192
+TILE_HEADS = (40, 72)  # fattn.cu:630: no tensor-core kernel; the TILE kernel
+
+
+def flash_kernel(n_tokens: int, head_dim: int, gqa_ratio: int, n_kv_cells: int) -> str:
+    """The flash-attention kernel a ubatch of ``n_tokens`` tokens takes on an Ada or later
+    NVIDIA GPU (the H200) with f16 K and V and a cache padded to 256 cells
+    (ggml_cuda_get_best_fattn_kernel, fattn.cu:541-720): VEC for one token with a head of
+    64, 128 or 256, unless more than 4 query heads share each KV head and the head is 256
+    or the cache holds 8,192 cells or more (fattn.cu:630-642); MMA_F16 otherwise, heads of
+    80, 96 and 112 for one token too. Heads of 40 and 72 take the TILE kernel: not
+    followed."""
+    if head_dim in TILE_HEADS:
+        raise NotEmulatedError(f"CUDA's flash attention for a head of {head_dim} (its TILE kernel)")
+    crowded = gqa_ratio > 4 and (head_dim >= 256 or n_kv_cells >= 8192)
+    return "vec" if n_tokens == 1 and head_dim in VEC_HEADS and not crowded else "mma"
 
 
 def mma_flash_query(q: np.ndarray, scale: float, softcap: float) -> np.ndarray:

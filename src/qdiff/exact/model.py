@@ -383,7 +383,11 @@ class ExactModel:
             tokens = self._tokens_of_rows(n)
             kernels = np.array([cuda.attention_kernel(t, r.cuda_attention) for t in tokens])
         elif r.cuda_flash:
-            kernels = np.array([cuda.flash_kernel(t) for t in self._tokens_of_rows(n)])
+            gqa, cells = hp.n_head // hp.n_head_kv, cuda.kv_cells(positions)
+            tokens = self._tokens_of_rows(n)
+            kernels = np.array(
+                [cuda.flash_kernel(t, d, gqa, c) for t, c in zip(tokens, cells, strict=True)]
+            )
         out = np.empty_like(q)
         for rows in _spans(lengths):
             at = positions[rows]

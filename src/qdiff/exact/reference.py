@@ -86,33 +86,45 @@ def emulate(
     (``configs``: a name -> Roundings fields; qdiff.exact.roundings) switched on in the
     float64 engine: one array of full-vocabulary logits per name (a set the engine cannot
     follow for this model's weights is left out, ``not_emulated`` says why). The record
-    says which sets can change anything for this model (``applies``: _changes_anything)."""
+    says which sets can change anything for this model (``applies``: _changes_anything);
+    those that cannot are not computed: each takes the engine's answer with no switch on,
+    computed once."""
     import time
 
     start = time.perf_counter()
     exact = ExactModel(model, n_ctx=context_of(teacher_run), layer_by_layer=layer_by_layer)
     exact.first_step_only = True  # as the runs' first step: the last logits of each prompt
     prompts = teacher_run["prompts"]
-    arrays, not_emulated = {}, {}
-    for name, values in configs.items():
-        exact.roundings = Roundings.from_dict(values)
-        try:
-            # in one expression (np.array copies the last rows): nothing of a set's hidden
-            # states outlives it into the next set's
-            arrays[name] = exact.logits(
-                np.array([h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])])
-            )
-        except NotEmulatedError as exc:  # this set only (CUDA's switches before bf16 weights)
-            not_emulated[name] = str(exc)
     matmul_types = {t for t in exact.weights.types() if t != "f32"}
     has_f32 = _has_f32_matrices(exact)
+    applies = {
+        name: _changes_anything(Roundings.from_dict(values), exact, matmul_types, has_f32)
+        for name, values in configs.items()
+    }
+
+    def first_steps(roundings: Roundings) -> np.ndarray:
+        exact.roundings = roundings
+        # in one expression (np.array copies the last rows): nothing of a set's hidden
+        # states outlives it into the next set's
+        return exact.logits(
+            np.array([h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])])
+        )
+
+    arrays, not_emulated = {}, {}
+    plain = None  # the engine with no switch on: what every set that changes nothing gives
+    for name, values in configs.items():
+        if not applies[name]:
+            plain = first_steps(Roundings()) if plain is None else plain
+            arrays[name] = plain
+            continue
+        try:
+            arrays[name] = first_steps(Roundings.from_dict(values))
+        except NotEmulatedError as exc:  # this set only (CUDA's switches before bf16 weights)
+            not_emulated[name] = str(exc)
     record = {
         "prompt_ids": [p["id"] for p in prompts],
         "configs": configs,
-        "applies": {
-            name: _changes_anything(Roundings.from_dict(values), exact, matmul_types, has_f32)
-            for name, values in configs.items()
-        },
+        "applies": applies,
         "not_emulated": not_emulated,
         "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
