@@ -1,7 +1,7 @@
 """An exploration, kept with its log: CUDA flash attention (MMA_F16) over several tiles of KV cells, against the H200's
 layer-0 FLASH_ATTN_EXT output at the last token (h200-fa/<target>-fa-<n>.npz).
 
-Run from the repository's root, with ./setup's .venv (a few minutes on 2 cores):
+Run from the repository's root, with ./setup's .venv (about a second on 2 cores):
     .venv/bin/python docs/results/cuda-roundings/explore-fa-tiles.py > docs/results/cuda-roundings/explore-fa-tiles.log
 Inputs (q, k, v of layer 0, built as tests/test_cuda_kernels.py::_flash_shares builds them)
 are cached in /tmp/fa_inputs.

@@ -86,7 +86,8 @@ SOURCE_LABELS = {
 # above the floor is expected there (docs/gpu-arithmetic.md)
 CUDA_FLASH = (
     "flash attention beyond its first tile of KV cells (32-128 by head size: the MMA kernel's "
-    "tiles, each with its own maximum and f16 sum, folded together in float32)"
+    "running maximum and f16 sum over each block's tiles, the blocks' partials folded in "
+    "float32)"
 )
 
 

@@ -320,14 +320,15 @@ def mmvf_weighted_sum(p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
 # f16 accumulator (``T_C_VKQ``: half2), in cell order; the divisor applied at the end.
 # Matched on the H200's layer 0 for prompts of 2-40 tokens (docs/results/cuda-roundings,
 # h200-fa/); rows that see more than a tile of cells (32-128 by head size and query
-# columns: nbatch_fa) are split among blocks (stream-k), each tile with its own maximum and
-# f16 sum, folded together in float32 (flash_attn_stream_k_fixup_*): not followed
+# columns: nbatch_fa) are split among blocks (stream-k), each block's tiles with a running
+# maximum and f16 sum (one tile a block where the blocks suffice), the blocks' partials
+# folded together in float32 (flash_attn_stream_k_fixup_*): not followed
 # (roundings.CUDA_FLASH; docs/results/cuda-roundings/explore-fa-tiles.py tries it).
 FATTN_KQ_MAX_OFFSET = float(np.float32(3.0) * np.float32(0.6931))  # fattn-common.cuh
 
 
-VEC_HEADS = (64, 128, 256)  # fattn.cu:627 can_use_vector_kernel: at most 256, % 64, not 192
-TILE_HEADS = (40, 72)  # fattn.cu:630: no tensor-core kernel; the TILE kernel
+VEC_HEADS = (64, 128, 256)  # fattn.cu:635 can_use_vector_kernel: at most 256, % 64, not 192
+TILE_HEADS = (40, 72)  # fattn.cu:638: no tensor-core kernel; the TILE kernel
 
 
 def flash_kernel(n_tokens: int, head_dim: int, gqa_ratio: int, n_kv_cells: int) -> str:
@@ -335,9 +336,9 @@ def flash_kernel(n_tokens: int, head_dim: int, gqa_ratio: int, n_kv_cells: int) 
     NVIDIA GPU (the H200) with f16 K and V and a cache padded to 256 cells
     (ggml_cuda_get_best_fattn_kernel, fattn.cu:541-720): VEC for one token with a head of
     64, 128 or 256, unless more than 4 query heads share each KV head and the head is 256
-    or the cache holds 8,192 cells or more (fattn.cu:630-642); MMA_F16 otherwise, heads of
-    80, 96 and 112 for one token too. Heads of 40 and 72 take the TILE kernel: not
-    followed."""
+    or the cache holds 8,192 cells or more (fattn.cu:635-648; with a mask and no ALiBi, as
+    the engine's models have: otherwise VEC, :660); MMA_F16 otherwise, heads of 80, 96 and
+    112 for one token too. Heads of 40 and 72 take the TILE kernel: not followed."""
     if head_dim in TILE_HEADS:
         raise NotEmulatedError(f"CUDA's flash attention for a head of {head_dim} (its TILE kernel)")
     crowded = gqa_ratio > 4 and (head_dim >= 256 or n_kv_cells >= 8192)
