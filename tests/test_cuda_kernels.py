@@ -34,6 +34,8 @@ import pytest
 from conftest import in_child, quantize_in_child
 from qdiff.compare.budget import combination_budget
 from qdiff.core.roundings import (
+    CUDA_FLASH,
+    CUDA_FLASH_TILE_MIN,
     NotEmulatedError,
     Roundings,
     config_id,
@@ -296,7 +298,7 @@ def test_first_steps_of_short_prompts_are_the_h200s_to_float32s_level(
         made = {}
         for name, r in (("exact", Roundings()), ("cuda", cuda_run)):
             model.roundings = r
-            made[name] = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+            made[name] = model.first_steps(prompts)
         residual = np.median(np.abs(run - made["cuda"]).max(axis=1))
         distance = np.median(np.abs(run - made["exact"]).max(axis=1))
         assert len(keys) == 4 and residual < 1e-5 and distance > 1e-2, (n, residual, distance)
@@ -327,6 +329,23 @@ def test_weights_whose_cuda_kernel_is_not_followed_leave_that_budget_unmeasured(
     assert row == {"status": "n/a", "reason": "not emulated: CUDA's matmuls of bf16 weights"}
 
 
+def test_a_flash_budget_names_the_tiles_by_its_prompts_lengths(files: dict[str, Path]) -> None:
+    """combination_budget names CUDA's flash attention beyond one tile as not followed only
+    where a prompt is longer than the smallest tile (roundings.CUDA_FLASH_TILE_MIN)."""
+    settings = DeviceSettings(backend="cuda", flash_attn=True).as_dict()
+    configs, _ = plan({"cuda-fa.none": (settings, "none")})
+    for length, named in ((CUDA_FLASH_TILE_MIN, False), (CUDA_FLASH_TILE_MIN + 1, True)):
+        prompts = [{"id": "p", "prompt_tokens": list(range(3, 3 + length))}]
+        run = {"generation": {"n_ctx": 64}, "prompts": prompts}
+        record, arrays = emulate(files["f32"], run, configs)
+        logits = arrays[next(iter(arrays))]  # stands in for the run and exact
+        cuda_run = {"settings": settings, "dequant": "none", "prompts": prompts}
+        row = combination_budget(
+            cuda_run, logits, None, ({"status": "ok"} | record, arrays), logits
+        )
+        assert (row["not_followed"] == [CUDA_FLASH]) == named, (length, row["not_followed"])
+
+
 @pytest.mark.parametrize("target", ["f32", "q8_0", "q4_k_m"])
 def test_a_set_that_changes_nothing_takes_the_plain_answer(
     files: dict[str, Path], target: str
@@ -353,7 +372,7 @@ def test_a_set_that_changes_nothing_takes_the_plain_answer(
     model.first_step_only = True
     for name in idle:
         model.roundings = Roundings.from_dict(configs[name])
-        computed = model.logits(np.array([h[-1] for h in model.hidden([[3, 4, 5, 6]])]))
+        computed = model.first_steps([[3, 4, 5, 6]])
         assert np.array_equal(computed, arrays[name]), name
 
 
@@ -554,7 +573,7 @@ def _first_step_residual(
     prompts = [list(runs[k + "-tokens"]) for k in keys]
     run = np.array([runs[k] for k in keys], dtype=np.float64)
     model.roundings = roundings
-    made = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+    made = model.first_steps(prompts)
     return float(np.median(np.abs(run - made).max(axis=1)))
 
 
@@ -674,7 +693,7 @@ def _flash_kernel_of(model: ExactModel, n: int) -> str:
     """The flash-attention kernel a ubatch of a prompt's n tokens takes for ``model``."""
     hp = model.hp
     cells = cuda.kv_cells(np.array([n - 1]))[0]
-    return cuda.flash_kernel(n, hp.head_dim, hp.n_head // hp.n_head_kv, cells)
+    return cuda.flash_kernel(n, hp.head_dim, hp.gqa_ratio, cells)
 
 
 def test_flash_attention_picks_its_kernel_by_tokens_head_and_heads_per_kv_head() -> None:

@@ -125,7 +125,7 @@ def whole_models(captures: Path, folder: Path, n_ubatch: int = 512) -> None:
                 *jittered,
             ]:
                 model.roundings = r
-                made[name] = model.logits(np.array([h[-1] for h in model.hidden(prompts)]))
+                made[name] = model.first_steps(prompts)
             dist = {k: np.abs(run - made[k]).max(axis=1) for k in ("exact", "matmuls", "all")}
             floor = np.max(
                 [np.abs(made[f"j{s}"] - made["all"]).max(axis=1) for s in JITTER_SEEDS], axis=0

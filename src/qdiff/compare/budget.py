@@ -148,9 +148,8 @@ def combination_budget(
     emulations (``roundings``: the exact_roundings record and arrays) and its serving
     job's record (the floor), or why there is none."""
     entry = plan({"run": (record["settings"], record["dequant"])})[1]["run"]
-    if "sources" in entry:  # what is not followed, for these prompts' lengths
-        longest = max((len(p["prompt_tokens"]) for p in record["prompts"]), default=0)
-        entry["not_followed"] = not_followed(record["settings"], longest)
+    longest = max((len(p["prompt_tokens"]) for p in record["prompts"]), default=0)
+    entry["not_followed"] = not_followed(record["settings"], longest)  # for these prompts
     emulation, emulated = roundings
     if emulation["status"] != "ok":  # the report lists it with the failures
         return {"status": "failed", "reason": f"no emulation: {failure_text(emulation)}"}

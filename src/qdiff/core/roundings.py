@@ -212,7 +212,6 @@ def plan(
         for r in [*sources.values(), all_of, *jitters]:
             configs[config_id(r)] = r.as_dict()
         per_combination[label] = {
-            "not_followed": not_followed(settings),
             "sources": {name: config_id(r) for name, r in sources.items()},
             "together": config_id(all_of),
             "jittered": [config_id(r) for r in jitters],

@@ -116,6 +116,11 @@ class Hparams:
     softcap: float  # final logit soft-capping; 0: none
     unread_keys: tuple[str, ...] = ()  # the file's keys of its architecture the engine ignores
 
+    @property
+    def gqa_ratio(self) -> int:
+        """Query heads per KV head."""
+        return self.n_head // self.n_head_kv
+
     def rope(self, layer: int) -> tuple[float, float]:
         """(base, scale) of a layer's RoPE: local (sliding-window) layers have their own."""
         if self.swa_layers[layer]:

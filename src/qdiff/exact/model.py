@@ -375,7 +375,7 @@ class ExactModel:
         r = self._roundings
         if r.kv_f16:
             k, v = self.rounded(k, f16), self.rounded(v, f16)
-        heads = np.arange(hp.n_head) // (hp.n_head // hp.n_head_kv)  # each query head's K/V
+        heads = np.arange(hp.n_head) // hp.gqa_ratio  # each query head's K/V
         k, v = k[:, heads], v[:, heads]
         scores = Scores(scale, hp.attn_softcap)
         kernels = np.empty(n, dtype=object)
@@ -383,10 +383,12 @@ class ExactModel:
             tokens = self._tokens_of_rows(n)
             kernels = np.array([cuda.attention_kernel(t, r.cuda_attention) for t in tokens])
         elif r.cuda_flash:
-            gqa, cells = hp.n_head // hp.n_head_kv, cuda.kv_cells(positions)
-            tokens = self._tokens_of_rows(n)
+            tokens, cells = self._tokens_of_rows(n), cuda.kv_cells(positions)
             kernels = np.array(
-                [cuda.flash_kernel(t, d, gqa, c) for t, c in zip(tokens, cells, strict=True)]
+                [
+                    cuda.flash_kernel(t, d, hp.gqa_ratio, c)
+                    for t, c in zip(tokens, cells, strict=True)
+                ]
             )
         out = np.empty_like(q)
         for rows in _spans(lengths):
@@ -543,6 +545,12 @@ class ExactModel:
         """Logits (float64, full vocabulary) at the positions ``outputs`` of ``tokens``, from
         an empty context (positions 0, 1, ...)."""
         return self.logits(self.hidden([tokens])[0][outputs])
+
+    def first_steps(self, prompts: list[list[int]]) -> np.ndarray:
+        """The logits of each prompt's last position (its first step), (prompts, vocab): in
+        one expression (np.array copies the last rows), so nothing of the prompts' hidden
+        states outlives the call."""
+        return self.logits(np.array([h[-1] for h in self.hidden(prompts)]))
 
     def hidden(self, sequences: list[list[int]]) -> list[np.ndarray]:
         """Each sequence's last layer's output (before the output norm), every sequence

@@ -104,11 +104,7 @@ def emulate(
 
     def first_steps(roundings: Roundings) -> np.ndarray:
         exact.roundings = roundings
-        # in one expression (np.array copies the last rows): nothing of a set's hidden
-        # states outlives it into the next set's
-        return exact.logits(
-            np.array([h[-1] for h in exact.hidden([p["prompt_tokens"] for p in prompts])])
-        )
+        return exact.first_steps([p["prompt_tokens"] for p in prompts])
 
     arrays, not_emulated = {}, {}
     plain = None  # the engine with no switch on: what every set that changes nothing gives
