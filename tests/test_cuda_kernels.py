@@ -34,8 +34,7 @@ import pytest
 from conftest import in_child, quantize_in_child
 from qdiff.compare.budget import combination_budget
 from qdiff.core.roundings import (
-    CUDA_FLASH,
-    CUDA_FLASH_TILE_MIN,
+    NOT_FOLLOWED_LABELS,
     NotEmulatedError,
     Roundings,
     config_id,
@@ -329,21 +328,57 @@ def test_weights_whose_cuda_kernel_is_not_followed_leave_that_budget_unmeasured(
     assert row == {"status": "n/a", "reason": "not emulated: CUDA's matmuls of bf16 weights"}
 
 
-def test_a_flash_budget_names_the_tiles_by_its_prompts_lengths(files: dict[str, Path]) -> None:
-    """combination_budget names CUDA's flash attention beyond one tile as not followed only
-    where a prompt is longer than the smallest tile (roundings.CUDA_FLASH_TILE_MIN)."""
+def test_the_engine_notes_flash_attention_beyond_one_tile_where_a_row_meets_it(
+    tmp_path: Path, files: dict[str, Path]
+) -> None:
+    """The MMA kernel's tiles beyond the first are what the engine leaves out of CUDA's
+    flash attention: it notes them where a row of an MMA ubatch sits at or beyond the
+    smallest tile (cuda.FLASH_TILE_MIN cells), by the prompt's length, the head and the
+    ubatch; VEC's one-token ubatches (heads of 64, 128, 256) are float32 throughout."""
+    head_96 = write_tiny_llama(tmp_path / "head-96.gguf", n_embd=384, n_head=4)
+    edge = cuda.FLASH_TILE_MIN
+    cases = [  # (file, n_ubatch, prompt length, noted)
+        (files["f32"], 512, edge, False),  # one ubatch (MMA), within the first tile
+        (files["f32"], 512, edge + 1, True),
+        (files["f32"], 16, edge + 1, False),  # the 33rd row is a ubatch of one: VEC
+        (files["f32"], 16, edge + 2, True),  # the third ubatch (MMA) sees 33-34 cells
+        (files["f32"], 1, 3 * edge, False),  # a head of 64: VEC for each token
+        (head_96, 1, edge, False),  # a head of 96: MMA for one token too
+        (head_96, 1, edge + 1, True),
+    ]
+    for path, n_ubatch, length, noted in cases:
+        model = ExactModel(path, Roundings(cuda_flash=True, n_ubatch=n_ubatch))
+        model.first_steps([list(range(3, 3 + length))])
+        assert (model.not_followed == {"cuda_flash_tiles"}) == noted, (path, n_ubatch, length)
+        model.roundings = Roundings()  # a new set: nothing met yet
+        assert model.not_followed == set()
+    # other sets never note it, however long the prompt
+    for r in (Roundings(cuda_attention=True), Roundings(kv_f16=True, qp_f16=True)):
+        model = ExactModel(files["f32"], r)
+        model.first_steps([list(range(3, 3 + 3 * edge))])
+        assert model.not_followed == set()
+
+
+def test_a_flash_budget_names_the_tiles_where_the_emulation_met_them(
+    files: dict[str, Path],
+) -> None:
+    """emulate records what each set met and did not follow; combination_budget names it
+    for the run's set, by its label, and nothing where its prompts stayed within a tile."""
     settings = DeviceSettings(backend="cuda", flash_attn=True).as_dict()
-    configs, _ = plan({"cuda-fa.none": (settings, "none")})
-    for length, named in ((CUDA_FLASH_TILE_MIN, False), (CUDA_FLASH_TILE_MIN + 1, True)):
+    configs, entries = plan({"cuda-fa.none": (settings, "none")})
+    label = NOT_FOLLOWED_LABELS["cuda_flash_tiles"]
+    for length, named in ((cuda.FLASH_TILE_MIN, False), (cuda.FLASH_TILE_MIN + 1, True)):
         prompts = [{"id": "p", "prompt_tokens": list(range(3, 3 + length))}]
         run = {"generation": {"n_ctx": 64}, "prompts": prompts}
         record, arrays = emulate(files["f32"], run, configs)
+        noted = entries["cuda-fa.none"]["together"] in record["not_followed"]
+        assert noted == named, (length, record["not_followed"])
         logits = arrays[next(iter(arrays))]  # stands in for the run and exact
         cuda_run = {"settings": settings, "dequant": "none", "prompts": prompts}
         row = combination_budget(
             cuda_run, logits, None, ({"status": "ok"} | record, arrays), logits
         )
-        assert (row["not_followed"] == [CUDA_FLASH]) == named, (length, row["not_followed"])
+        assert (row["not_followed"] == [label]) == named, (length, row["not_followed"])
 
 
 @pytest.mark.parametrize("target", ["f32", "q8_0", "q4_k_m"])
@@ -739,7 +774,7 @@ def test_flash_attention_takes_its_kernels_arithmetic_on_h200_tensors(
     16 cells added in f16, the unrounded weights' sum dividing at the end: at least 70% of
     the values equal to float32's level under the kernel's arithmetic (measured: 82-100%),
     at most 10% under the other (0-2%). At 300 tokens, beyond one tile of cells, neither
-    (0-2%): not followed (roundings.CUDA_FLASH)."""
+    (0-2%): not followed (ExactModel.not_followed)."""
     model = ExactModel(files[target])
     for n in FA_LENGTHS:
         plain, mma = _flash_shares(model, target, n)

@@ -23,11 +23,9 @@ from conftest import in_child, quantize_in_child
 from qdiff import exact
 from qdiff.compare.budget import budget, ubatch_floor, verdict
 from qdiff.core.roundings import (
-    CUDA_FLASH_TILE_MIN,
     JITTER_SEEDS,
     Roundings,
     config_id,
-    not_followed,
     plan,
     sources_of,
 )
@@ -200,22 +198,6 @@ def test_each_combination_gets_its_backends_sources() -> None:
     every = [c for entry in by_combination.values() for c in entry.get("sources", {}).values()]
     assert set(every) <= set(configs) and len(configs) == len(set(configs))
     assert len(by_combination["cpu.none"]["jittered"]) == len(JITTER_SEEDS)
-
-
-def test_cuda_flash_attention_is_not_followed_only_beyond_its_first_tile() -> None:
-    """The MMA kernel's tiles beyond the first are what the engine leaves out: prompts
-    within the smallest tile (32 cells) see none, so their budgets name nothing left out;
-    in one-token ubatches too (VEC for the common heads, MMA for heads of 80-112)."""
-    fa = DeviceSettings(backend="cuda", flash_attn=True).as_dict()
-    fa_ub1 = DeviceSettings(backend="cuda", flash_attn=True, n_ubatch=1).as_dict()
-    assert not_followed(fa) == not_followed(fa, CUDA_FLASH_TILE_MIN + 1) != []
-    assert not_followed(fa, CUDA_FLASH_TILE_MIN) == not_followed(fa_ub1, 31) == []
-    assert not_followed(fa_ub1, 300) != []
-    assert "flash attention" in not_followed(fa)[0]
-    # everything else is followed: CPU, CUDA's attention in any ubatch (cuBLAS's f16 sums of
-    # softmax·V above 16 tokens too), with an f16 or an f32 cache
-    for kw in ({"backend": "cpu"}, {"n_ubatch": 16}, {}, {"kv_cache_type": "f32"}):
-        assert not_followed(DeviceSettings(**({"backend": "cuda"} | kw)).as_dict(), 300) == []
 
 
 def test_a_floor_is_at_least_float32s_level_of_the_largest_logit() -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from qdiff.core.records import failure_text
-from qdiff.core.roundings import FA_TILE_Q, SOURCE_LABELS, not_followed, plan
+from qdiff.core.roundings import FA_TILE_Q, NOT_FOLLOWED_LABELS, SOURCE_LABELS, plan
 
 ALPHA = 0.01  # the test's level: "unexplained" is wrong once in a hundred faithful emulations
 # a floor of at least this share of the distance from exact leaves the test without power:
@@ -148,11 +148,13 @@ def combination_budget(
     emulations (``roundings``: the exact_roundings record and arrays) and its serving
     job's record (the floor), or why there is none."""
     entry = plan({"run": (record["settings"], record["dequant"])})[1]["run"]
-    longest = max((len(p["prompt_tokens"]) for p in record["prompts"]), default=0)
-    entry["not_followed"] = not_followed(record["settings"], longest)  # for these prompts
     emulation, emulated = roundings
     if emulation["status"] != "ok":  # the report lists it with the failures
         return {"status": "failed", "reason": f"no emulation: {failure_text(emulation)}"}
+    # what the engine met on these prompts and did not follow (by their lengths, heads
+    # and ubatches: CUDA's flash attention beyond its first tile)
+    met = emulation.get("not_followed", {}).get(entry.get("together"), [])
+    entry["not_followed"] = [NOT_FOLLOWED_LABELS[key] for key in met]
     ids = [p["id"] for p in record["prompts"]]
     if ids != emulation["prompt_ids"]:
         return {"status": "n/a", "reason": "the run and the emulation have other prompts"}

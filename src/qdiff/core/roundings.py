@@ -82,33 +82,16 @@ SOURCE_LABELS = {
     "cuda_attention_kv_f32": "CUDA's attention with an f32 KV cache (TF32 products above 3 tokens)",
     "cuda_flash": "CUDA's flash attention (above one token: f16 Q and softmax weights, f16 sums)",
 }
-# what the engine does not follow (yet) of CUDA's arithmetic, where it acts: a residual
-# above the floor is expected there (docs/gpu-arithmetic.md)
-CUDA_FLASH = (
-    "flash attention beyond its first tile of KV cells (32-128 by head size: the MMA kernel's "
-    "running maximum and f16 sum over each block's tiles, the blocks' partials folded in "
-    "float32)"
-)
-
-
-# the fewest KV cells a tile of CUDA's MMA flash-attention kernel holds (nbatch_fa of
-# fattn-mma-f16.cuh's configs: 32-128 by head size): a prompt of at most this many tokens
-# stays within the first tile, which cuda_flash follows
-CUDA_FLASH_TILE_MIN = 32
-
-
-def not_followed(settings: dict[str, Any], longest_prompt: int | None = None) -> list[str]:
-    """The roundings of a combination (its device's settings) that the engine's sources do
-    not follow, where it follows its backend at all; ``longest_prompt``: its longest prompt
-    in tokens, where known. CUDA's flash attention is followed within the MMA kernel's
-    first tile of KV cells and in the VEC kernel, which one-token ubatches take for heads
-    of 64, 128 and 256 (cuda.flash_kernel); the head is not known here, so a prompt longer
-    than the smallest tile names the tiles in any ubatch."""
-    if settings["backend"] != "cuda" or not settings.get("flash_attn"):
-        return []
-    if longest_prompt is not None and longest_prompt <= CUDA_FLASH_TILE_MIN:
-        return []
-    return [CUDA_FLASH]
+# what the engine does not follow (yet) of a backend's arithmetic, by the key the engine
+# notes where a pass met it (ExactModel.not_followed): a residual above the floor is
+# expected there (docs/gpu-arithmetic.md)
+NOT_FOLLOWED_LABELS = {
+    "cuda_flash_tiles": (
+        "flash attention beyond its first tile of KV cells (32-128 by head size: the MMA "
+        "kernel's running maximum and f16 sum over each block's tiles, the blocks' partials "
+        "folded in float32)"
+    ),
+}
 
 
 def _ubatch_of(settings: dict[str, Any]) -> int:

@@ -323,8 +323,12 @@ def mmvf_weighted_sum(p: np.ndarray, v: np.ndarray, n_cells: int) -> np.ndarray:
 # columns: nbatch_fa) are split among blocks (stream-k), each block's tiles with a running
 # maximum and f16 sum (one tile a block where the blocks suffice), the blocks' partials
 # folded together in float32 (flash_attn_stream_k_fixup_*): not followed
-# (roundings.CUDA_FLASH; docs/results/cuda-roundings/explore-fa-tiles.py tries it).
+# (ExactModel.not_followed; docs/results/cuda-roundings/explore-fa-tiles.py tries it).
 FATTN_KQ_MAX_OFFSET = float(np.float32(3.0) * np.float32(0.6931))  # fattn-common.cuh
+# the fewest KV cells a tile of the MMA kernel holds (nbatch_fa of fattn-mma-f16.cuh's
+# configs: 32-128 by head size and query columns): a row at a position below it sees one
+# tile, which the engine follows; beyond, by this bound, maybe more than one
+FLASH_TILE_MIN = 32
 
 
 VEC_HEADS = (64, 128, 256)  # fattn.cu:635 can_use_vector_kernel: at most 256, % 64, not 192

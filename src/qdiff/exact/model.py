@@ -266,6 +266,9 @@ class ExactModel:
     @roundings.setter
     def roundings(self, value: Roundings) -> None:
         self._roundings, self.rng = value, np.random.default_rng(value.jitter)
+        # what the passes with these roundings met and did not follow of the backend's
+        # arithmetic (keys of roundings.NOT_FOLLOWED_LABELS)
+        self.not_followed: set[str] = set()
 
     def rounded(self, x: np.ndarray, rounding: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """``rounding(x)``; with ``jitter``, of an input moved by a float32 ulp at random."""
@@ -390,6 +393,8 @@ class ExactModel:
                     for t, c in zip(tokens, cells, strict=True)
                 ]
             )
+            if ((kernels == "mma") & (positions >= cuda.FLASH_TILE_MIN)).any():
+                self.not_followed.add("cuda_flash_tiles")
         out = np.empty_like(q)
         for rows in _spans(lengths):
             at = positions[rows]

@@ -85,10 +85,10 @@ def emulate(
     """The first step of every prompt with each set of llama.cpp's rounding sources
     (``configs``: a name -> Roundings fields; qdiff.exact.roundings) switched on in the
     float64 engine: one array of full-vocabulary logits per name (a set the engine cannot
-    follow for this model's weights is left out, ``not_emulated`` says why). The record
-    says which sets can change anything for this model (``applies``: _changes_anything);
-    those that cannot are not computed: each takes the engine's answer with no switch on,
-    computed once."""
+    follow for this model's weights is left out, ``not_emulated`` says why; what a set's
+    passes met and did not follow, ``not_followed``). The record says which sets can
+    change anything for this model (``applies``: _changes_anything); those that cannot
+    are not computed: each takes the engine's answer with no switch on, computed once."""
     import time
 
     start = time.perf_counter()
@@ -106,7 +106,7 @@ def emulate(
         exact.roundings = roundings
         return exact.first_steps([p["prompt_tokens"] for p in prompts])
 
-    arrays, not_emulated = {}, {}
+    arrays, not_emulated, not_followed = {}, {}, {}
     plain = None  # the engine with no switch on: what every set that changes nothing gives
     for name, values in configs.items():
         if not applies[name]:
@@ -117,11 +117,15 @@ def emulate(
             arrays[name] = first_steps(Roundings.from_dict(values))
         except NotEmulatedError as exc:  # this set only (CUDA's switches before bf16 weights)
             not_emulated[name] = str(exc)
+            continue
+        if exact.not_followed:  # e.g. CUDA's flash attention beyond its first tile
+            not_followed[name] = sorted(exact.not_followed)
     record = {
         "prompt_ids": [p["id"] for p in prompts],
         "configs": configs,
         "applies": applies,
         "not_emulated": not_emulated,
+        "not_followed": not_followed,
         "activation_formats": sorted({CPU_VEC_DOT_TYPE.get(t, t).upper() for t in matmul_types}),
         "timings": {"total_s": round(time.perf_counter() - start, 3)},
         "peak_rss_mib": _peak_rss_mib(),
