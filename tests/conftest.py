@@ -217,6 +217,22 @@ def quantize_in_child(src: Path, dst: Path, target: str) -> None:
     assert code == 0, f"llama_model_quantize to {target} returned {code}"
 
 
+def captured_models(folder: Path, files_tsv: Path) -> dict[str, Path]:
+    """The tiny models that docs/results/cuda-roundings/capture.py made where it captured
+    (the H200, lavapipe), made again in ``folder`` from the same seed and quantization;
+    their sha256 checked against the capture's ``files.tsv``."""
+    source = write_tiny_llama(folder / "f32.gguf", n_embd=256, n_ff=512)
+    made = {"f32": source}
+    captured = dict(line.split("\t") for line in files_tsv.read_text().splitlines())
+    for target in captured:
+        if target != "f32":
+            made[target] = folder / f"{target}.gguf"
+            quantize_in_child(source, made[target], target)
+    for target, path in made.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == captured[target], target
+    return made
+
+
 @pytest.fixture
 def workspace(tmp_path: Path) -> Workspace:
     return Workspace(tmp_path / "ws")

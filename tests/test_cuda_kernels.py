@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import in_child, quantize_in_child
+from conftest import captured_models, in_child, quantize_in_child
 from qdiff.compare.budget import combination_budget
 from qdiff.core.roundings import (
     NOT_FOLLOWED_LABELS,
@@ -62,18 +62,8 @@ TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k_m", "q5_k_m", "q6_k"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tiny models capture.py made on the H200, made again (the same seed and
-    quantization: their sha256 is checked against the capture's)."""
-    folder = tmp_path_factory.mktemp("cuda")
-    source = write_tiny_llama(folder / "f32.gguf", n_embd=256, n_ff=512)
-    made = {"f32": source}
-    for target in TYPES:
-        made[target] = folder / f"{target}.gguf"
-        quantize_in_child(source, made[target], target)
-    captured = dict(line.split("\t") for line in (H200 / "files.tsv").read_text().splitlines())
-    for target, path in made.items():
-        assert hashlib.sha256(path.read_bytes()).hexdigest() == captured[target], target
-    return made
+    """The tiny models capture.py made on the H200, made again (conftest.captured_models)."""
+    return captured_models(tmp_path_factory.mktemp("cuda"), H200 / "files.tsv")
 
 
 @pytest.mark.parametrize("target", TYPES)

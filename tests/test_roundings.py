@@ -174,6 +174,7 @@ def test_each_combination_gets_its_backends_sources() -> None:
             "cuda-fa.none": (DeviceSettings(backend="cuda", flash_attn=True).as_dict(), "none"),
             "cuda-kv32.f32": (DeviceSettings(backend="cuda", kv_cache_type="f32").as_dict(), "f32"),
             "vulkan.none": (DeviceSettings(backend="vulkan").as_dict(), "none"),
+            "metal.none": (DeviceSettings(backend="metal").as_dict(), "none"),
             "cpu.f16": (cpu, "f16"),
         }
     )
@@ -191,7 +192,12 @@ def test_each_combination_gets_its_backends_sources() -> None:
     kv32 = by_combination["cuda-kv32.f32"]
     assert set(kv32["sources"]) == {"cuda_tf32", "cuda_attention_kv_f32"}
     assert kv32["together"] == "cuda_tf32+cuda_attention_kv_f32+f32_copy@ub512"
-    assert "not emulated yet" in by_combination["vulkan.none"]["not_emulated"]
+    assert set(by_combination["vulkan.none"]["sources"]) == {
+        "vulkan_matmul",
+        "kv_f16",
+        "vulkan_attention",
+    }
+    assert "not emulated yet" in by_combination["metal.none"]["not_emulated"]
     assert "weights are not the file's" in by_combination["cpu.f16"]["not_emulated"]
     shared = by_combination["cpu.none"]["sources"]["kv_f16"]
     assert shared == by_combination["cpu.f32"]["sources"]["kv_f16"] == "kv_f16"

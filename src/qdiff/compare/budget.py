@@ -32,7 +32,13 @@ from typing import Any
 import numpy as np
 
 from qdiff.core.records import failure_text
-from qdiff.core.roundings import FA_TILE_Q, NOT_FOLLOWED_LABELS, SOURCE_LABELS, plan
+from qdiff.core.roundings import (
+    FA_TILE_Q,
+    NOT_FOLLOWED_LABELS,
+    SOURCE_LABELS,
+    plan,
+    vulkan_path_problem,
+)
 
 ALPHA = 0.01  # the test's level: "unexplained" is wrong once in a hundred faithful emulations
 # a floor of at least this share of the distance from exact leaves the test without power:
@@ -148,6 +154,9 @@ def combination_budget(
     emulations (``roundings``: the exact_roundings record and arrays) and its serving
     job's record (the floor), or why there is none."""
     entry = plan({"run": (record["settings"], record["dequant"])})[1]["run"]
+    vulkan = record["settings"]["backend"] == "vulkan" and "sources" in entry
+    if vulkan and (why := vulkan_path_problem(record.get("provenance", {}))):
+        return {"status": "n/a", "reason": f"not emulated: {why}"}
     emulation, emulated = roundings
     if emulation["status"] != "ok":  # the report lists it with the failures
         return {"status": "failed", "reason": f"no emulation: {failure_text(emulation)}"}

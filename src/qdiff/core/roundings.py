@@ -29,6 +29,11 @@ class Roundings:
     cuda_attention: bool = False
     cuda_attention_kv_f32: bool = False
     cuda_flash: bool = False  # CUDA's flash attention: VEC for one token, MMA_F16 for more
+    # Vulkan without matrix cores or integer dot products (qdiff.exact.vulkan): weights'
+    # matmuls above 8 tokens with f16 operands (f16 sums but for f32 weights), and
+    # attention above one token (Q and the softmax weights in f16, softmax·V summed in f16)
+    vulkan_matmul: bool = False
+    vulkan_attention: bool = False
     # the f32 copy's weights: every matmul weight is f32 (the file's values), so it takes
     # the f32 kernels (on CUDA: MMVF, MMF or cuBLAS), not the file's type's
     f32_copy: bool = False
@@ -55,6 +60,8 @@ class Roundings:
             or self.cuda_attention
             or self.cuda_attention_kv_f32
             or self.cuda_flash
+            or self.vulkan_matmul
+            or self.vulkan_attention
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,6 +88,12 @@ SOURCE_LABELS = {
     "cuda_attention": "CUDA's attention (f16 softmax weights; f16 products for one token, f16 sums for more than 16)",
     "cuda_attention_kv_f32": "CUDA's attention with an f32 KV cache (TF32 products above 3 tokens)",
     "cuda_flash": "CUDA's flash attention (above one token: f16 Q and softmax weights, f16 sums)",
+    "vulkan_matmul": (
+        "Vulkan's matmuls above 8 tokens (f16 operands; f16 sums but for f32 weights)"
+    ),
+    "vulkan_attention": (
+        "Vulkan's attention above one token (f16 Q and softmax weights, softmax·V summed in f16)"
+    ),
 }
 # what the engine does not follow (yet) of a backend's arithmetic, by the key the engine
 # notes where a pass met it (ExactModel.not_followed): a residual above the floor is
@@ -106,7 +119,7 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     the model's architecture and weight types are read. Raises NotEmulatedError where the
     engine does not follow the backend's roundings."""
     backend = settings["backend"]
-    if backend not in ("cpu", "cuda"):
+    if backend not in ("cpu", "cuda", "vulkan"):
         raise NotEmulatedError(f"the {backend} backend's roundings are not emulated yet")
     if settings.get("extra_bufts"):
         raise NotEmulatedError("repacked weights (extra_bufts: true) are not emulated")
@@ -119,6 +132,8 @@ def sources_of(settings: dict[str, Any], dequant: str) -> dict[str, Roundings]:
     n_ubatch = _ubatch_of(settings)
     if backend == "cuda":
         return _cuda_sources(dequant, kv, flash, n_ubatch)
+    if backend == "vulkan":
+        return _vulkan_sources(dequant, kv, flash, n_ubatch)
     sources = {"gelu_table": Roundings(gelu_table=True)}
     if dequant == "none":
         sources["activations"] = Roundings(activations=True)
@@ -153,6 +168,47 @@ def _cuda_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str
         name = "cuda_attention" if kv == "f16" else "cuda_attention_kv_f32"
         sources[name] = Roundings(**{name: True}, n_ubatch=n_ubatch)
     return sources
+
+
+def _vulkan_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[str, Roundings]:
+    """Vulkan's sources on a device with f16 arithmetic and neither matrix cores nor
+    integer dot products (qdiff.exact.vulkan; a run on another device's path has no
+    budget: qdiff.compare.budget): the weights' matmuls (the f32 copy's all of f32), the
+    f16 K/V cache and attention."""
+    if flash:
+        raise NotEmulatedError("Vulkan's flash attention is not emulated yet")
+    if kv != "f16":
+        raise NotEmulatedError(f"Vulkan's attention with a {kv} KV cache is not emulated yet")
+    matmul = Roundings(vulkan_matmul=True, f32_copy=dequant == "f32", n_ubatch=n_ubatch)
+    return {
+        "vulkan_matmul": matmul,
+        "kv_f16": Roundings(kv_f16=True),
+        "vulkan_attention": Roundings(vulkan_attention=True, n_ubatch=n_ubatch),
+    }
+
+
+# a Vulkan device whose shaders the engine follows (qdiff.exact.vulkan), by the properties
+# ggml_vulkan prints for it: f16 arithmetic, neither integer dot products (q8_1
+# activations) nor matrix cores (coopmat1, coopmat2: other kernels)
+VULKAN_FOLLOWED = {"fp16": "1", "int dot": "0", "matrix cores": "none"}
+
+
+def vulkan_path_problem(provenance: dict[str, Any]) -> str | None:
+    """Why the engine does not follow the Vulkan device a run used (its provenance), or
+    None where it does."""
+    used = {d["name"] for d in provenance.get("used_devices", [])}
+    found = [d for d in provenance.get("vulkan_devices", []) if d["device"] in used]
+    if not found:
+        return "the run did not record its Vulkan device's properties"
+    other = {k: found[0].get(k, "?") for k, v in VULKAN_FOLLOWED.items() if found[0].get(k) != v}
+    if not other:
+        return None
+    followed = ", ".join(f"{k}: {v}" for k, v in VULKAN_FOLLOWED.items())
+    return (
+        f"{found[0]['name']} takes other Vulkan shaders "
+        f"({', '.join(f'{k}: {v}' for k, v in other.items())}); the engine follows those "
+        f"of a device with {followed}"
+    )
 
 
 def together(sources: dict[str, Roundings]) -> Roundings:

@@ -21,6 +21,9 @@ _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 _WEIGHT_TYPE = re.compile(r"^llama_model_loader: - type\s+(\S+):\s+(\d+) tensors", re.M)
 _FILE_TYPE = re.compile(r"^print_info: file type\s+= (.+)$", re.M)
 _CONTEXT = re.compile(r"^llama_context: (\w+)\s+= (\S.*)$", re.M)
+# ggml_vulkan's line for each device it found (ggml_vk_print_gpu_info): its name, then
+# "key: value" properties (fp16, int dot, matrix cores, ...), which decide its shaders
+_VULKAN_DEVICE = re.compile(r"^ggml_vulkan: (\d+) = (.+?) \| (.+)$", re.M)
 # What ggml and the C++ runtime print when they abort (to stderr, not through the log
 # callback): GGML_ASSERT / GGML_ABORT, and an uncaught C++ exception.
 _ABORT = re.compile(r"GGML_ASSERT\(|GGML_ABORT|terminate called|what\(\):")
@@ -38,6 +41,9 @@ class Placement:
     weight_types: dict[str, int] = field(default_factory=dict)  # ggml type -> tensor count
     file_type: str | None = None
     context: dict[str, str] = field(default_factory=dict)  # llama_context's printed settings
+    # ggml_vulkan's devices as it printed them: {"device": "Vulkan0", "name": ..., "fp16":
+    # "1", "int dot": "0", "matrix cores": "none", ...}
+    vulkan_devices: list[dict[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +66,11 @@ def parse_placement(log: str) -> Placement:
     if file_type := _FILE_TYPE.search(log):
         placement.file_type = file_type[1].strip()
     placement.context = {k: v.strip() for k, v in _CONTEXT.findall(log)}
+    placement.vulkan_devices = [
+        {"device": f"Vulkan{index}", "name": name.strip()}
+        | dict(part.split(": ", 1) for part in rest.split(" | ") if ": " in part)
+        for index, name, rest in _VULKAN_DEVICE.findall(log)
+    ]
     return placement
 
 

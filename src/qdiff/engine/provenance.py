@@ -72,6 +72,8 @@ def run_provenance(
             "offloaded_layers": placement.offloaded_layers,
         },
         "llama_context": placement.context,
+        # which shaders a Vulkan device takes (qdiff.exact.vulkan): its printed properties
+        "vulkan_devices": placement.vulkan_devices,
         "cpu_kernels": {
             "features": cpu_features(system_info),
             "extra_bufts": settings["extra_bufts"],

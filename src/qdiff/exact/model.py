@@ -14,7 +14,7 @@ import numpy as np
 
 from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
-from qdiff.exact import cuda, dequantize
+from qdiff.exact import cuda, dequantize, vulkan
 from qdiff.exact.architectures import read_hparams
 from qdiff.exact.cuda import BLOCK_BYTES
 from qdiff.exact.roundings import (
@@ -290,12 +290,17 @@ class ExactModel:
         kind = "f32" if r.f32_copy else self.weights.type_of(name)
         if (r.cuda_activations or r.cuda_tf32 or r.cuda_f16) and kind.lower() not in cuda.FOLLOWED:
             raise NotEmulatedError(f"CUDA's matmuls of {kind} weights")
+        if r.vulkan_matmul and kind.lower() not in vulkan.FOLLOWED:
+            raise NotEmulatedError(f"Vulkan's matmuls of {kind} weights")
         if r.cuda_activations and kind.lower() in cuda.EMULATED:
             y = self._cuda_linear(self.rounded(x, lambda v: v), name)
         elif r.cuda_tf32 and kind == "f32":
             y = self._by_tokens(self.rounded(x, lambda v: v), name, cuda.f32_linear)
         elif r.cuda_f16 and kind.lower() == "f16":
             y = self._by_tokens(self.rounded(x, lambda v: v), name, cuda.f16_linear)
+        elif r.vulkan_matmul:
+            kernel = partial(vulkan.linear, kind=kind.lower())
+            y = self._by_tokens(self.rounded(x, lambda v: v), name, kernel)
         elif not r.activations:
             y = x @ self.weights[name].T
         else:
@@ -395,6 +400,8 @@ class ExactModel:
             )
             if ((kernels == "mma") & (positions >= cuda.FLASH_TILE_MIN)).any():
                 self.not_followed.add("cuda_flash_tiles")
+        elif r.vulkan_attention:  # the matrix-vector shaders for one token, mul_mm above
+            kernels = np.where(self._tokens_of_rows(n) == 1, "mat_vec", "mul_mm")
         out = np.empty_like(q)
         for rows in _spans(lengths):
             at = positions[rows]
@@ -425,6 +432,8 @@ class ExactModel:
             return self._cuda_attention_kv_f32(q, k, v, masked, scores, kernels)
         if r.cuda_flash:
             return self._cuda_flash(q, k, v, masked, scores, kernels)
+        if r.vulkan_attention:
+            return self._vulkan_attention(q, k, v, masked, scores, kernels)
         if r.qp_f16:
             out = _softmax_attention(self.rounded(q, f16), k, v, masked, scores, self._f16_weights)
         else:
@@ -435,6 +444,33 @@ class ExactModel:
                 q_in = self.rounded(q, np.asarray)  # jittered, rounded to f16 inside
                 out[one_by_one] = flash_one_row(q_in, k, v, masked, scores)[one_by_one]
         return out
+
+    def _vulkan_attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        masked: np.ndarray,
+        scores: Scores,
+        kernels: np.ndarray,
+    ) -> np.ndarray:
+        """One sequence's attention as Vulkan computes each row (qdiff.exact.vulkan):
+        float32 in a one-token ubatch; above, Q in f16 for K·Q and the softmax weights in
+        f16, summed in f16 over the cells."""
+        out = np.empty((len(q), q.shape[1], v.shape[2]))
+        single = kernels == "mat_vec"
+        if single.any():
+            out[single] = _softmax_attention(q[single], k, v, masked[single], scores)
+        if not single.all():
+            batched = ~single
+            q16 = self.rounded(q[batched], f16)
+            out[batched] = _softmax_attention(
+                q16, k, v, masked[batched], scores, self._vulkan_weights
+            )
+        return out
+
+    def _vulkan_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return vulkan.f16_weighted_sum(self.rounded(p, f16), v)
 
     def _f16_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
         """softmax·V with the weights rounded to f16 and float32 sums (the CPU's f16 V,

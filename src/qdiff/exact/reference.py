@@ -140,7 +140,8 @@ def _changes_anything(
     """Whether a set of switches can change anything for this model: the GELU table only
     where it uses GELU, the activations' rounding only before weights that are not f32,
     CUDA's f32 kernels only where a matmul has f32 weights (``has_f32``; every one in the
-    f32 copy), its f16 kernels only where a weight is f16."""
+    f32 copy), its f16 kernels only where a weight is f16; Vulkan's always (every weight's
+    matmul takes mul_mm above 8 tokens, attention above one)."""
     quantized = {t.lower() for t in matmul_types}
     return (
         r.kv_f16
@@ -149,6 +150,8 @@ def _changes_anything(
         or r.cuda_attention
         or r.cuda_attention_kv_f32
         or r.cuda_flash
+        or r.vulkan_matmul
+        or r.vulkan_attention
         or (r.gelu_table and exact.hp.arch.activation == "gelu")
         or (r.activations and bool(quantized))
         or (r.cuda_activations and bool(quantized & cuda.EMULATED))

@@ -744,7 +744,8 @@ def _error_budget(m: Matrix, exact: dict[Key, dict[str, Any]]) -> list[Finding]:
                 f". The floor is {coarse:.0%} of the distance itself, so the logits cannot tell "
                 "this emulation from one that leaves a source out: only the sizes above say "
                 "how much each source can account for (tests/test_roundings.py and, for "
-                "CUDA, tests/test_cuda_kernels.py check the switches op by op instead)."
+                "CUDA and Vulkan, tests/test_cuda_kernels.py and test_vulkan_kernels.py check "
+                "the switches op by op instead)."
             )
         else:
             text += ": on these prompts the rest is indistinguishable from that floor."
