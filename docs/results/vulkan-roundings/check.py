@@ -4,8 +4,10 @@ per weight format and prompt length, layer 0's matmuls from llama.cpp's own inpu
 largest difference relative to the output's largest value, and the share of values equal
 bit for bit), plain (float64) and as ``vulkan.linear`` computes them; then the whole tiny
 models' first steps against the engine with no switch, with Vulkan's switches, and the
-budget's floor (the larger of two jittered emulations), medians over 4 prompts. Run from
-the repository's root:
+budget's floor (the larger of two jittered emulations), medians over 4 prompts; then the
+same with flash attention (``lavapipe-fa/``: its output at the last token, the share of
+values at float32's level, and whole first steps in one ubatch and in one-token ubatches).
+Run from the repository's root:
     .venv/bin/python docs/results/vulkan-roundings/check.py > docs/results/vulkan-roundings/check.log
 The tiny models are made again from the same seed and checked against files.tsv."""
 
@@ -21,14 +23,18 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT / "tests")]
 
 from conftest import captured_models  # noqa: E402
+from qdiff.core.roundings import Roundings  # noqa: E402
 from qdiff.exact import vulkan  # noqa: E402
 from qdiff.exact.model import ExactModel  # noqa: E402
 from test_vulkan_kernels import (  # noqa: E402
     LAVAPIPE,
+    LAVAPIPE_FA,
     LENGTHS,
     MATMULS,
     STARTS,
     TARGETS,
+    _layer0_qkv,
+    _share_equal,
     first_step_figures,
 )
 
@@ -67,11 +73,53 @@ def first_steps(files: dict[str, Path]) -> None:
             print(f"{target:8s} {n:3d} {exact:10.2e} {residual:10.2e} {floor:10.2e}")
 
 
+def flash(files: dict[str, Path]) -> None:
+    print("\nflash attention at the last token (lavapipe-fa): share of values at float32's level")
+    print(f"{'file':8s} {'n':>3s} {'tile':>5s} {'split':>6s} {'vulkan':>7s} {'plain':>6s}")
+    for target in TARGETS:
+        model = ExactModel(files[target])
+        hp = model.hp
+        for n in (1, 2, 5, 12, 40, 300):
+            tensors = np.load(LAVAPIPE_FA / f"{target}-fa-{n}.npz")
+            q, k, v = _layer0_qkv(model, tensors["tokens"])
+            k16, v16 = vulkan.f16(k), vulkan.f16(v)
+            theirs = tensors["FLASH_ATTN_EXT (unnamed)"].reshape(hp.n_head, -1)
+            n_kv = -(-n // 256) * 256
+            tile, split = vulkan.flash_split(n, n_kv, hp.n_head, hp.n_head_kv, hp.head_dim)
+            ours = vulkan.flash_attention(
+                q[-1:], k16, v16, np.zeros((1, n), bool), hp.attn_scale, 0.0, (tile, split, n_kv)
+            )[0]
+            weights = np.exp(np.einsum("hd,nhd->hn", q[-1], k16) * hp.attn_scale)
+            plain = np.einsum("hn,nhd->hd", weights / weights.sum(axis=1, keepdims=True), v16)
+            shares = [_share_equal(x, theirs.astype(np.float64)) for x in (ours, plain)]
+            print(f"{target:8s} {n:3d} {tile:5d} {split:6d} {shares[0]:7.3f} {shares[1]:6.3f}")
+    print("\nwhole first steps with flash attention: median over 4 prompts of max |Δ|")
+    print(
+        f"{'file':8s} {'ubatch':>6s} {'n':>3s} {'run-exact':>10s} {'run-emul.':>10s} {'floor':>10s}"
+    )
+    for target in TARGETS:
+        model = ExactModel(files[target], n_ctx=256)
+        model.first_step_only = True
+        for name, n_ubatch in (("fa", 512), ("fa-ub1", 1)):
+            runs = np.load(LAVAPIPE_FA / f"{target}-logits-{name}.npz")
+            switches = Roundings(
+                vulkan_matmul=True, kv_f16=True, vulkan_flash=True, n_ubatch=n_ubatch
+            )
+            for n in (3, 5, 12, 40):
+                prompts = [runs[f"{n}-{s}-tokens"].tolist() for s in STARTS]
+                run = np.stack([runs[f"{n}-{s}"] for s in STARTS]).astype(np.float64)
+                exact, residual, floor = first_step_figures(model, prompts, run, switches)
+                print(
+                    f"{target:8s} {n_ubatch:6d} {n:3d} {exact:10.2e} {residual:10.2e} {floor:10.2e}"
+                )
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         files = captured_models(Path(folder), LAVAPIPE / "files.tsv")
         matmuls(files)
         first_steps(files)
+        flash(files)
 
 
 if __name__ == "__main__":

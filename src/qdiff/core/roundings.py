@@ -34,6 +34,7 @@ class Roundings:
     # attention above one token (Q and the softmax weights in f16, softmax·V summed in f16)
     vulkan_matmul: bool = False
     vulkan_attention: bool = False
+    vulkan_flash: bool = False  # its flash attention (flash_attn.comp's scalar path)
     # the f32 copy's weights: every matmul weight is f32 (the file's values), so it takes
     # the f32 kernels (on CUDA: MMVF, MMF or cuBLAS), not the file's type's
     f32_copy: bool = False
@@ -62,6 +63,7 @@ class Roundings:
             or self.cuda_flash
             or self.vulkan_matmul
             or self.vulkan_attention
+            or self.vulkan_flash
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -93,6 +95,9 @@ SOURCE_LABELS = {
     ),
     "vulkan_attention": (
         "Vulkan's attention above one token (f16 Q and softmax weights, softmax·V summed in f16)"
+    ),
+    "vulkan_flash": (
+        "Vulkan's flash attention (f16 Q, softmax weights and output; split cells joined in float32)"
     ),
 }
 # what the engine does not follow (yet) of a backend's arithmetic, by the key the engine
@@ -174,16 +179,15 @@ def _vulkan_sources(dequant: str, kv: str, flash: bool, n_ubatch: int) -> dict[s
     """Vulkan's sources on a device with f16 arithmetic and neither matrix cores nor
     integer dot products (qdiff.exact.vulkan; a run on another device's path has no
     budget: qdiff.compare.budget): the weights' matmuls (the f32 copy's all of f32), the
-    f16 K/V cache and attention."""
-    if flash:
-        raise NotEmulatedError("Vulkan's flash attention is not emulated yet")
+    f16 K/V cache and attention, or flash attention."""
     if kv != "f16":
         raise NotEmulatedError(f"Vulkan's attention with a {kv} KV cache is not emulated yet")
     matmul = Roundings(vulkan_matmul=True, f32_copy=dequant == "f32", n_ubatch=n_ubatch)
+    attention = "vulkan_flash" if flash else "vulkan_attention"
     return {
         "vulkan_matmul": matmul,
         "kv_f16": Roundings(kv_f16=True),
-        "vulkan_attention": Roundings(vulkan_attention=True, n_ubatch=n_ubatch),
+        attention: Roundings(**{attention: True}, n_ubatch=n_ubatch),
     }
 
 

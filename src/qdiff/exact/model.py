@@ -434,6 +434,8 @@ class ExactModel:
             return self._cuda_flash(q, k, v, masked, scores, kernels)
         if r.vulkan_attention:
             return self._vulkan_attention(q, k, v, masked, scores, kernels)
+        if r.vulkan_flash:
+            return self._vulkan_flash(q, k, v, masked, scores)
         if r.qp_f16:
             out = _softmax_attention(self.rounded(q, f16), k, v, masked, scores, self._f16_weights)
         else:
@@ -466,6 +468,33 @@ class ExactModel:
             q16 = self.rounded(q[batched], f16)
             out[batched] = _softmax_attention(
                 q16, k, v, masked[batched], scores, self._vulkan_weights
+            )
+        return out
+
+    def _vulkan_flash(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, masked: np.ndarray, scores: Scores
+    ) -> np.ndarray:
+        """One sequence's flash attention as Vulkan's scalar shader computes it, ubatch by
+        ubatch (its split of the cells by the ubatch's size and the cache's padded cells,
+        qdiff.exact.vulkan.flash_split)."""
+        hp, n = self.hp, len(q)
+        out = np.empty((n, q.shape[1], v.shape[2]))
+        q_in = self.rounded(q, np.asarray)  # jittered; rounded to f16 inside
+        for start in range(0, n, self._roundings.n_ubatch):
+            rows = slice(start, min(start + self._roundings.n_ubatch, n))
+            seen = rows.stop  # the cells written by this ubatch and those before it
+            n_kv = -(-seen // cuda.KV_PAD) * cuda.KV_PAD
+            tiles = vulkan.flash_split(
+                rows.stop - rows.start, n_kv, hp.n_head, hp.n_head_kv, hp.head_dim
+            )
+            out[rows] = vulkan.flash_attention(
+                q_in[rows],
+                k[:seen],
+                v[:seen],
+                masked[rows, :seen],
+                scores.scale,
+                scores.softcap,
+                (*tiles, n_kv),
             )
         return out
 

@@ -152,6 +152,7 @@ def _changes_anything(
         or r.cuda_flash
         or r.vulkan_matmul
         or r.vulkan_attention
+        or r.vulkan_flash
         or (r.gelu_table and exact.hp.arch.activation == "gelu")
         or (r.activations and bool(quantized))
         or (r.cuda_activations and bool(quantized & cuda.EMULATED))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qdiff.core.roundings import NotEmulatedError
 from qdiff.exact.roundings import f16
 
 # ggml-vulkan.cpp mul_mat_vec_max_cols: a weight's matmul of at most this many tokens takes
@@ -101,3 +102,191 @@ def f16_weighted_sum(p: np.ndarray, v: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(p.transpose(2, 0, 1))[..., None]  # (cells, heads, queries, 1)
     b = np.ascontiguousarray(v.transpose(1, 0, 2))[:, :, None, :]  # (cells, heads, 1, d)
     return ordered_sum(a, b, block_step("f16"), True)
+
+
+# Flash attention's scalar shader (flash_attn.comp, FA_SCALAR: no matrix cores), read in
+# the vendored source and matched on lavapipe's captures (docs/results/vulkan-roundings):
+# Q·scale in f16; each score K·Q in float32, every lane of a row's D_SPLIT lanes summing
+# its own runs of 4 dimensions (the last of each run first) before the lanes' xor
+# butterfly; the cells of a tile of `block_cols` shared among the workgroup's column
+# groups (cell c to group c % groups), each group with its own running maximum (plus
+# FATTN_KQ_MAX_OFFSET), float32 sum L and f16 output O (rescaled in f16, the softmax weight
+# and each product with V in f16); the groups then joined in group order, O in f16. Without
+# a split O·f16(1/L) in f16; where the cells are split among workgroups (split_k), each
+# split's O, L and maximum are joined in float32 (flash_attn_split_k_reduce.comp).
+FATTN_KQ_MAX_OFFSET = np.float32(3.0) * np.float32(0.6931)  # flash_attn_base.glsl
+WORKGROUP = 32  # lavapipe: a subgroup of 8, four subgroups (get_fa_tuning_params_scalar)
+SUBGROUP = 8
+CORES = 16  # the placeholder core count split_k assumes where the device gives none
+SPARSE_MIN_CELLS = 4096  # from here, a sparse path for one token or grouped heads
+
+
+def flash_layout(head_dim: int) -> tuple[int, int]:
+    """(lanes a row's dimensions are split among, column groups of a workgroup):
+    get_fa_tuning_params_scalar's d_split on this device, and WORKGROUP / d_split."""
+    lowest = head_dim & -head_dim
+    lanes = min(SUBGROUP, 8, lowest // 4)
+    return lanes, WORKGROUP // lanes
+
+
+def flash_split(
+    n_tokens: int, n_kv: int, n_head: int, n_head_kv: int, head_dim: int
+) -> tuple[int, int]:
+    """(the cells of a tile, the cells of a split: n_kv where none) for a ubatch of
+    ``n_tokens`` over ``n_kv`` cells (ggml_vk_flash_attn, get_fa_tuning_params_scalar,
+    with four subgroups of 8 and no core count)."""
+    ratio = n_head // n_head_kv
+    if n_kv >= SPARSE_MIN_CELLS and (n_tokens == 1 or (n_tokens <= 8 and ratio > 1)):
+        raise NotEmulatedError(f"Vulkan's sparse flash attention ({n_kv} KV cells)")
+    rows, groups_y = n_tokens, n_head
+    # up to 8 tokens the query heads of one KV head become a workgroup's rows
+    max_gqa = min(_block_rows(512, head_dim, n_kv), 32)
+    grouped = n_tokens <= 8 and 1 < ratio <= max_gqa
+    if grouped:
+        rows, groups_y = ratio, n_head_kv
+    # matched on heads of 64: a head that is not a multiple of 32 splits its dimensions
+    # among fewer lanes, and from 4 rows a head above 64 splits the workgroup by rows
+    # (row_split 4, one column group), neither checked on a capture
+    if head_dim % 32 or (rows >= 4 and head_dim > 64):
+        raise NotEmulatedError(
+            f"Vulkan's flash attention for a head of {head_dim} over {rows} rows"
+        )
+    block_cols = 64 if rows == 1 or head_dim & 8 else 32
+    split_k = 1
+    if grouped and n_tokens <= _block_rows(rows, head_dim, n_kv):
+        split_k = 2 * CORES // (n_tokens * groups_y)
+    elif not grouped:
+        workgroups = -(-rows // _block_rows(rows, head_dim, n_kv)) * groups_y
+        split_k = 2 * CORES // workgroups if workgroups < 2 * CORES else 1
+    if split_k <= 1:
+        return block_cols, n_kv
+    split_kv = -(-max(1, n_kv // split_k) // block_cols) * block_cols
+    return block_cols, split_kv
+
+
+def _block_rows(rows: int, head_dim: int, n_kv: int) -> int:
+    """get_fa_tuning_params_scalar's block_rows for ``rows`` query rows (row_split 1 below
+    4 rows or for heads of at most 64). Where it would halve them for want of shared
+    memory (a cache of 1,024 cells or more, a head without the bit 8) is not followed."""
+    if rows == 1:
+        return 1
+    reduce_rows = bool(head_dim & 8) or n_kv < 1024
+    if not reduce_rows:
+        raise NotEmulatedError(f"Vulkan's flash attention over {n_kv} KV cells")
+    if rows < 4 or head_dim <= 64:
+        return 2 if rows == 2 else 4
+    return 4 if rows <= 4 else 8
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to f16, kept in float32."""
+    return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+NEG_FLT_MAX_OVER_2 = np.float32(-np.finfo(np.float32).max / 2)  # a running maximum's start
+
+
+def _scores(q16: np.ndarray, k: np.ndarray, lanes: int) -> np.ndarray:
+    """K·Q in float32 as the shader sums it, (rows, cells, heads): each of the ``lanes``
+    lanes adds its runs of 4 dimensions (4·(i·lanes + lane) …, the last of a run first),
+    then the lanes' sums meet in an xor butterfly."""
+    d = q16.shape[-1]
+    k32 = k.astype(np.float32)
+    parts = []
+    for lane in range(lanes):
+        acc = np.zeros((len(q16), len(k), q16.shape[1]), np.float32)
+        for run in range(d // (4 * lanes)):
+            first = 4 * (run * lanes + lane)
+            for dim in reversed(range(first, first + 4)):
+                acc += q16[:, None, :, dim] * k32[None, :, :, dim]
+        parts.append(acc)
+    step = lanes // 2
+    while step:
+        parts = [parts[t] + parts[t ^ step] for t in range(lanes)]
+        step //= 2
+    return parts[0]
+
+
+def _split_pass(
+    s: np.ndarray, v16: np.ndarray, cells: range, groups: int, block_cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One split's maximum, sum L and output O (f16 values) per row and head, over
+    ``cells`` of the scores ``s`` (rows, cells, heads; masked ones -inf)."""
+    rows, _, heads = s.shape
+    top = np.full((groups, rows, heads), NEG_FLT_MAX_OVER_2)
+    total = np.zeros((groups, rows, heads), np.float32)
+    out = np.zeros((groups, rows, heads, v16.shape[-1]), np.float32)
+    seen = range(cells.start, min(cells.stop, s.shape[1]))
+    for tile in range(cells.start, cells.stop, block_cols):
+        for g in range(groups):
+            mine = range(tile + g, min(tile + block_cols, seen.stop), groups)
+            peak = s[:, mine].max(axis=1) if mine else np.full((rows, heads), -np.inf)
+            peak = np.maximum(peak, NEG_FLT_MAX_OVER_2) + FATTN_KQ_MAX_OFFSET
+            old = top[g].copy()
+            top[g] = np.maximum(peak, old)
+            scale = np.exp(old - top[g])
+            total[g] *= scale
+            out[g] = _f16(_f16(scale)[..., None] * out[g])
+            for c in mine:
+                p = _f16(np.exp(s[:, c] - top[g]))
+                total[g] += p
+                out[g] = _f16(out[g] + _f16(p[..., None] * v16[c]))
+    # the groups joined in group order: L in float32, O in f16
+    peak = top.max(axis=0)
+    joined_l = np.zeros((rows, heads), np.float32)
+    joined_o = np.zeros_like(out[0])
+    for g in range(groups):
+        scale = np.exp(top[g] - peak)
+        joined_l = joined_l + scale * total[g]
+        joined_o = _f16(joined_o + _f16(_f16(scale)[..., None] * out[g]))
+    return peak, joined_l, joined_o
+
+
+def flash_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    masked: np.ndarray,
+    scale: float,
+    softcap: float,
+    split: tuple[int, int, int],
+) -> np.ndarray:
+    """The rows of one ubatch (``q``: (rows, heads, d)) over the cells ``k``, ``v``
+    ((cells, heads, d), f16 values, expanded to the query heads; ``masked``: (rows,
+    cells)) as flash_attn.comp's scalar path computes them; ``split`` = (cells of a
+    tile, cells of a split, the cache's cells n_kv: flash_split)."""
+    block_cols, split_kv, n_kv = split
+    lanes, groups = flash_layout(q.shape[-1])
+    factor = np.float32(scale / softcap if softcap else scale)
+    s = _scores(_f16(q.astype(np.float32) * factor), k, lanes)
+    if softcap:
+        s = np.float32(softcap) * np.tanh(s)
+    s[np.broadcast_to(masked[:, :, None], s.shape)] = -np.inf
+    v16 = v.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if split_kv >= n_kv:
+            _, total, out = _split_pass(s, v16, range(0, n_kv), groups, block_cols)
+            rcp = np.where(total == 0, np.float32(0), np.float32(1) / total)
+            return _f16(out * _f16(rcp)[..., None]).astype(np.float64)
+        parts = [
+            _split_pass(s, v16, range(lo, lo + split_kv), groups, block_cols)
+            for lo in range(0, n_kv, split_kv)
+        ]
+        # flash_attn_split_k_reduce.comp, in float32: a subgroup's lanes take the splits in
+        # turn, their L summed in a tree; O summed in split order
+        peak = np.max([p[0] for p in parts], axis=0)
+        lane_l = [np.zeros_like(peak) for _ in range(SUBGROUP)]
+        for i, (m, total, _) in enumerate(parts):
+            lane_l[i % SUBGROUP] = lane_l[i % SUBGROUP] + np.exp(m - peak) * total
+        step = SUBGROUP // 2
+        while step:
+            lane_l = [
+                lane_l[t] + lane_l[t + step] if t < step else lane_l[t] for t in range(SUBGROUP)
+            ]
+            step //= 2
+        total = lane_l[0]
+        out = np.zeros_like(parts[0][2])
+        for m, _, o in parts:
+            out = out + np.exp(m - peak)[..., None] * o
+        rcp = np.where(total == 0, np.float32(0), np.float32(1) / total)
+        return (out * rcp[..., None]).astype(np.float64)
