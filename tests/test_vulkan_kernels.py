@@ -179,6 +179,28 @@ def test_whole_first_steps_are_within_the_floor_with_the_switches(
             assert residual < 1e-5, residual
 
 
+FLASH_LENGTHS = [1, 2, 5, 12, 40, 300]  # capture.py's FA_LAYER0
+
+
+def flash_shares(model: ExactModel, target: str, n: int) -> tuple[float, float, tuple[int, int]]:
+    """At the last of ``n`` tokens in one ubatch (lavapipe-fa): the shares of flash
+    attention's output at float32's level of the run's, by vulkan.flash_attention and by
+    plain softmax attention over the f16 cache, and the (tile, split) it took."""
+    hp = model.hp
+    tensors = np.load(LAVAPIPE_FA / f"{target}-fa-{n}.npz")
+    q, k, v = _layer0_qkv(model, tensors["tokens"])
+    k16, v16 = vulkan.f16(k), vulkan.f16(v)
+    theirs = tensors["FLASH_ATTN_EXT (unnamed)"].reshape(hp.n_head, -1).astype(np.float64)
+    n_kv = -(-n // 256) * 256
+    tile, split = vulkan.flash_split(n, n_kv, hp.n_head, hp.n_head_kv, hp.head_dim)
+    ours = vulkan.flash_attention(
+        q[-1:], k16, v16, np.zeros((1, n), bool), hp.attn_scale, 0.0, (tile, split, n_kv)
+    )[0]
+    weights = np.exp(np.einsum("hd,nhd->hn", q[-1], k16) * hp.attn_scale)
+    plain = np.einsum("hn,nhd->hd", weights / weights.sum(axis=1, keepdims=True), v16)
+    return _share_equal(ours, theirs), _share_equal(plain, theirs), (tile, split)
+
+
 @pytest.mark.parametrize("target", ["f32", "q8_0", "q4_k_m"])
 def test_flash_attention_follows_the_scalar_shader(files: dict[str, Path], target: str) -> None:
     """Flash attention's output at the last of 1, 2, 5, 12, 40 and 300 tokens in one
@@ -186,21 +208,10 @@ def test_flash_attention_follows_the_scalar_shader(files: dict[str, Path], targe
     flash_split) at float32's level on most values; plain softmax attention over the f16
     cache on almost none beyond one token (where it is the one cell's V)."""
     model = ExactModel(files[target])
-    hp = model.hp
-    for n in (1, 2, 5, 12, 40, 300):
-        tensors = np.load(LAVAPIPE_FA / f"{target}-fa-{n}.npz")
-        q, k, v = _layer0_qkv(model, tensors["tokens"])
-        k16, v16 = vulkan.f16(k), vulkan.f16(v)
-        theirs = tensors["FLASH_ATTN_EXT (unnamed)"].reshape(hp.n_head, -1).astype(np.float64)
-        n_kv = -(-n // 256) * 256
-        split = (*vulkan.flash_split(n, n_kv, hp.n_head, hp.n_head_kv, hp.head_dim), n_kv)
-        ours = vulkan.flash_attention(
-            q[-1:], k16, v16, np.zeros((1, n), bool), hp.attn_scale, 0.0, split
-        )[0]
-        weights = np.exp(np.einsum("hd,nhd->hn", q[-1], k16) * hp.attn_scale)
-        plain = np.einsum("hn,nhd->hd", weights / weights.sum(axis=1, keepdims=True), v16)
-        assert _share_equal(ours, theirs) >= 0.75, (target, n)
-        assert n == 1 or _share_equal(plain, theirs) < 0.1, (target, n)
+    for n in FLASH_LENGTHS:
+        ours, plain, _ = flash_shares(model, target, n)
+        assert ours >= 0.75, (target, n)
+        assert n == 1 or plain < 0.1, (target, n)
 
 
 @pytest.mark.parametrize("target", ["f32", "q8_0"])

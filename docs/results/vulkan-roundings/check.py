@@ -27,15 +27,15 @@ from qdiff.core.roundings import Roundings  # noqa: E402
 from qdiff.exact import vulkan  # noqa: E402
 from qdiff.exact.model import ExactModel  # noqa: E402
 from test_vulkan_kernels import (  # noqa: E402
+    FLASH_LENGTHS,
     LAVAPIPE,
     LAVAPIPE_FA,
     LENGTHS,
     MATMULS,
     STARTS,
     TARGETS,
-    _layer0_qkv,
-    _share_equal,
     first_step_figures,
+    flash_shares,
 )
 
 
@@ -78,21 +78,9 @@ def flash(files: dict[str, Path]) -> None:
     print(f"{'file':8s} {'n':>3s} {'tile':>5s} {'split':>6s} {'vulkan':>7s} {'plain':>6s}")
     for target in TARGETS:
         model = ExactModel(files[target])
-        hp = model.hp
-        for n in (1, 2, 5, 12, 40, 300):
-            tensors = np.load(LAVAPIPE_FA / f"{target}-fa-{n}.npz")
-            q, k, v = _layer0_qkv(model, tensors["tokens"])
-            k16, v16 = vulkan.f16(k), vulkan.f16(v)
-            theirs = tensors["FLASH_ATTN_EXT (unnamed)"].reshape(hp.n_head, -1)
-            n_kv = -(-n // 256) * 256
-            tile, split = vulkan.flash_split(n, n_kv, hp.n_head, hp.n_head_kv, hp.head_dim)
-            ours = vulkan.flash_attention(
-                q[-1:], k16, v16, np.zeros((1, n), bool), hp.attn_scale, 0.0, (tile, split, n_kv)
-            )[0]
-            weights = np.exp(np.einsum("hd,nhd->hn", q[-1], k16) * hp.attn_scale)
-            plain = np.einsum("hn,nhd->hd", weights / weights.sum(axis=1, keepdims=True), v16)
-            shares = [_share_equal(x, theirs.astype(np.float64)) for x in (ours, plain)]
-            print(f"{target:8s} {n:3d} {tile:5d} {split:6d} {shares[0]:7.3f} {shares[1]:6.3f}")
+        for n in FLASH_LENGTHS:
+            ours, plain, (tile, split) = flash_shares(model, target, n)
+            print(f"{target:8s} {n:3d} {tile:5d} {split:6d} {ours:7.3f} {plain:6.3f}")
     print("\nwhole first steps with flash attention: median over 4 prompts of max |Δ|")
     print(
         f"{'file':8s} {'ubatch':>6s} {'n':>3s} {'run-exact':>10s} {'run-emul.':>10s} {'floor':>10s}"
