@@ -4,7 +4,8 @@
 # .carry/llama-cpp-python-0.3.36.tgz, the trimmed sdist, and .carry/vk13, Debian 13's Vulkan
 # and SPIR-V headers: Debian 12's are too old for the vendored ggml-vulkan):
 #   bash docs/results/vulkan-roundings/lavapipe.sh build            # about 5 min on 2 cores
-#   bash docs/results/vulkan-roundings/lavapipe.sh capture [OUT]    # about 3 min
+#   bash docs/results/vulkan-roundings/lavapipe.sh capture [OUT [MODE]]  # about 3 min
+# (MODE: capture.py's ub1, kv32 or fa; none: its default captures)
 # The build goes into $QDIFF_LAVAPIPE_SITE (default /tmp/vksite), outside .venv: put it first
 # on PYTHONPATH to use it. llama.cpp skips a CPU-type Vulkan device unless
 # GGML_VK_VISIBLE_DEVICES names it.
@@ -26,10 +27,10 @@ build)
     ;;
 capture)
     GGML_VK_VISIBLE_DEVICES=0 PYTHONPATH="$SITE" .venv/bin/python \
-        docs/results/cuda-roundings/capture.py "${2:-/tmp/lvp}" vulkan
+        docs/results/cuda-roundings/capture.py "${2:-/tmp/lvp}" vulkan ${3:+"$3"}
     ;;
 *)
-    echo "usage: lavapipe.sh build | capture [OUT]" >&2
+    echo "usage: lavapipe.sh build | capture [OUT [MODE]]" >&2
     exit 2
     ;;
 esac

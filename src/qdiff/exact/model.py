@@ -457,8 +457,9 @@ class ExactModel:
         kernels: np.ndarray,
     ) -> np.ndarray:
         """One sequence's attention as Vulkan computes each row (qdiff.exact.vulkan):
-        float32 in a one-token ubatch; above, Q in f16 for K·Q and the softmax weights in
-        f16, summed in f16 over the cells."""
+        nothing rounded in a one-token ubatch (the device's float32, taken in float64);
+        above, Q in f16 for K·Q and the softmax weights in f16, summed in f16 over the
+        cells."""
         out = np.empty((len(q), q.shape[1], v.shape[2]))
         single = kernels == "mat_vec"
         if single.any():

@@ -1,9 +1,12 @@
 """llama.cpp's Vulkan backend on a device with f16 arithmetic and neither matrix cores nor
 integer dot products (``fp16: 1 | int dot: 0 | matrix cores: none`` in ggml_vulkan's
-device line: Mesa's lavapipe, and GPUs without those extensions), as the float64 engine
-follows it (issue 31). Read in the vendored ggml-vulkan (``ggml-vulkan.cpp``,
-``vulkan-shaders/mul_mm.comp``, ``dot_product_funcs.glsl``) and matched bit for bit on
-lavapipe's tensors (docs/results/vulkan-roundings):
+device line: Mesa's lavapipe), as the float64 engine follows it (issue 31); a GPU with that
+line may still fuse its f16 ``fma`` or split mul_mm's K (K >= 2048 on NVIDIA, AMD and
+Intel), which the engine does not follow. Read in the vendored ggml-vulkan
+(``ggml-vulkan.cpp``, ``vulkan-shaders/mul_mm.comp``, ``dot_product_funcs.glsl``) and held
+to lavapipe's tensors (docs/results/vulkan-roundings): the weights' matmuls bit for bit,
+softmax·V bit for bit from the run's softmax weights, K·Q and flash attention at float32's
+level on most values.
 
 - A matmul takes the matrix-vector shaders (float32 throughout) for one token, or for up to
   MAT_VEC_MAX_TOKENS when the batch is one matrix (a weight's matmul;
@@ -14,8 +17,9 @@ lavapipe's tensors (docs/results/vulkan-roundings):
   (``GGML_PREC_F32``), in f16 otherwise (the ``f16acc`` pipelines), where lavapipe rounds
   each product and each sum to f16 (its f16 ``fma`` is not fused).
 - Attention's products are batched over heads, so they take ``mul_mm`` from two tokens on:
-  K·Q with Q in f16 and float32 sums; softmax·V with the softmax weights in f16 and f16
-  sums over the cells, from the cache's first.
+  K·Q with Q in f16 and float32 sums (which the engine takes in float64: their order is
+  within the floor); softmax·V with the softmax weights in f16 and f16 sums over the cells,
+  from the cache's first.
 """
 
 from __future__ import annotations
