@@ -43,8 +43,8 @@ from qdiff.core.roundings import (
     together,
 )
 from qdiff.core.settings import DeviceSettings
-from qdiff.exact import cuda
-from qdiff.exact.cuda import BLOCK_BYTES
+from qdiff.exact import blocks, cuda
+from qdiff.exact.blocks import OFFSET_TYPES
 from qdiff.exact.model import ExactModel, _ubatch_sizes, rms_norm, rope
 from qdiff.exact.reference import _changes_anything, emulate
 from test_roundings import LAYER0, captured_layer0
@@ -121,10 +121,10 @@ def test_a_weight_is_a_scale_times_integers_plus_an_offset_per_block(
     seen = set()
     for name in _matmul_weights(model):
         kind = model.weights.type_of(name).lower()
-        if kind not in BLOCK_BYTES:
+        if kind not in OFFSET_TYPES:
             continue
         seen.add(kind)
-        n, scale, offset = cuda._affine(model.weights, name)
+        n, scale, offset = blocks.affine(model.weights, name)
         top = 15 if kind in ("q4_0", "q4_1", "q4_k") else 31
         assert n.min() >= 0 and n.max() <= top and n.max() >= top - 1, (name, kind)
         w = model.weights[name].reshape(n.shape)
@@ -139,8 +139,8 @@ def _per_block(x: np.ndarray, model: ExactModel, name: str, kernel: str) -> np.n
     kind = model.weights.type_of(name).lower()
     a = cuda.quantize_q8_1(x, kernel, kind)
     f16 = cuda.f16
-    if kind in BLOCK_BYTES:
-        n, d_w, offset = cuda._affine(model.weights, name)
+    if kind in OFFSET_TYPES:
+        n, d_w, offset = blocks.affine(model.weights, name)
     else:  # q8_0, q6_k: the values as they are, no offset
         w = model.weights[name]
         n, d_w, offset = w.reshape(len(w), -1, 32), np.ones(w.shape[:1] + (w.shape[1] // 32,)), None

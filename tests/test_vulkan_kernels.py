@@ -32,7 +32,7 @@ from qdiff.core.roundings import (
 )
 from qdiff.core.settings import DeviceSettings
 from qdiff.engine.llamalog import parse_placement
-from qdiff.exact import vulkan
+from qdiff.exact import blocks, vulkan
 from qdiff.exact.model import ExactModel, rms_norm, rope
 from qdiff.exact.reference import emulate
 from test_cuda_kernels import MORE
@@ -40,6 +40,9 @@ from test_roundings import LAYER0
 
 LAVAPIPE = Path(__file__).parents[1] / "docs/results/vulkan-roundings/lavapipe"
 LAVAPIPE_FA = LAVAPIPE.with_name("lavapipe-fa")  # capture.py's ``fa`` mode
+# capture.py's default captures with integer dot products (lavapipe.sh capture OUT int)
+LAVAPIPE_INT = LAVAPIPE.with_name("lavapipe-int")
+LAVAPIPE_KV32 = LAVAPIPE.with_name("lavapipe-kv32")  # capture.py's kv32 and kv32-wide modes
 LENGTHS = [1, 5, 12, 40]  # capture.py's prompt lengths
 STARTS = [0, 7, 19, 31]  # and where its whole-model prompts start in the text
 MATMULS = [*LAYER0, *MORE]  # layer 0's weight matmuls: (input, output, weight)
@@ -53,6 +56,11 @@ LAVAPIPE_LINE = (
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return captured_models(tmp_path_factory.mktemp("lavapipe"), LAVAPIPE / "files.tsv")
+
+
+@pytest.fixture(scope="module")
+def int_dot_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return captured_models(tmp_path_factory.mktemp("lavapipe-int"), LAVAPIPE_INT / "files.tsv")
 
 
 def _share_equal(ours: np.ndarray, theirs: np.ndarray) -> float:
@@ -86,6 +94,75 @@ def test_each_matmul_is_mul_mm_bit_for_bit_above_8_tokens(
                 assert _relative(ours, theirs) < 1e-6, (target, n, output)
 
 
+QUANTIZED = TARGETS[2:]  # the files whose matmuls integer dot products change
+
+
+def int_dot_figures(model: ExactModel, target: str, n: int) -> dict[str, tuple[float, float]]:
+    """Per shader (vulkan.int_dot_kernel) of the quantized matmuls of layer 0 at ``n``
+    tokens on lavapipe-int: the largest |Δ| relative to the output's largest value of the
+    engine's int_dot_linear and of the plain (float64) product."""
+    tensors = np.load(LAVAPIPE_INT / f"{target}-{n}.npz")
+    out: dict[str, tuple[float, float]] = {}
+    for source, output, weight in MATMULS:
+        kind = model.weights.type_of(weight).lower()
+        if kind not in vulkan.INT_DOT_TYPES:
+            continue
+        x = tensors[source].reshape(1, -1).astype(np.float64)
+        theirs = tensors[output].reshape(1, -1).astype(np.float64)
+        w = model.weights[weight]
+        ours = vulkan.int_dot_linear(x, w, n, model.weights, weight)
+        key = f"{kind} {vulkan.int_dot_kernel(n, kind)}"
+        old = out.get(key, (0.0, 0.0))
+        out[key] = (max(old[0], _relative(ours, theirs)), max(old[1], _relative(x @ w.T, theirs)))
+    return out
+
+
+@pytest.mark.parametrize("target", QUANTIZED)
+def test_with_integer_dot_products_each_quantized_matmul_takes_q8_1_activations(
+    int_dot_files: dict[str, Path], target: str
+) -> None:
+    """On lavapipe reporting its integer dot products, every quantized weight's matmul of
+    layer 0 is int_dot_linear at float32's level (within 5e-7 of the output's largest
+    value; the order of its float32 sums is not followed) at 1, 5, 12 and 40 tokens,
+    which the plain product misses by more than 1e-4, except q6_K up to 8 tokens (the
+    float32 matrix-vector shader); each rounding it follows is needed: without the f16
+    block sum, with float32 scales of the K-quants in mul_mmq, or of q6_K there, it is
+    off by more than 1e-4 on some matmul."""
+    model = ExactModel(int_dot_files[target])
+    for n in LENGTHS:
+        for key, (ours, plain) in int_dot_figures(model, target, n).items():
+            assert ours < 5e-7, (n, key, ours)
+            assert (plain < 1e-6) if key == "q6_k mat_vec" else (plain > 1e-4), (n, key, plain)
+    # each rounding left out in turn, on Q at 40 tokens (a weight of the file's type)
+    tensors = np.load(LAVAPIPE_INT / f"{target}-40.npz")
+    source, output, weight = MATMULS[0]
+    x = tensors[source].reshape(1, -1).astype(np.float64)
+    theirs = tensors[output].reshape(1, -1).astype(np.float64)
+    kind, w = model.weights.type_of(weight).lower(), model.weights[weight]
+    quantize, kernel_of = vulkan.quantize_q8_1, vulkan.int_dot_kernel
+
+    def plain_sum(v: np.ndarray) -> blocks.Q8_1:
+        a = quantize(v)
+        return blocks.Q8_1(a.q, a.scale, a.scale * a.q.sum(axis=-1))
+
+    def mmvq_for_k_quants(n_tokens: int, k: str) -> str:
+        return "mmvq" if k in ("q4_k", "q5_k") else kernel_of(n_tokens, k)
+
+    left_out = []
+    if kind in blocks.OFFSET_TYPES:
+        left_out.append(("quantize_q8_1", plain_sum))
+    if kind in ("q4_k", "q5_k"):
+        left_out.append(("int_dot_kernel", mmvq_for_k_quants))
+    for attribute, replacement in left_out:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(vulkan, attribute, replacement)
+            assert _relative(vulkan.int_dot_linear(x, w, 40, model.weights, weight), theirs) > 1e-4
+    if kind == "q6_k":
+        n, scale = blocks.q6_k_integers(model.weights, weight)
+        float32_scales = quantize(x).values @ (scale[..., None] * n).reshape(len(n), -1).T
+        assert _relative(float32_scales, theirs) > 1e-4
+
+
 def _layer0_qkv(model: ExactModel, tokens: np.ndarray) -> tuple[np.ndarray, ...]:
     """Layer 0's Q, K and V of every position (positions, heads, d), through Vulkan's
     matmuls (the input's norm in float32, as the run computes it)."""
@@ -108,7 +185,7 @@ def test_attention_rounds_q_and_the_softmax_weights_and_sums_in_f16(
 ) -> None:
     """At the last of 5, 12 and 40 tokens (mul_mm: batched over heads): K·Q with Q in f16
     at float32's level where plain K·Q is not (ordered float32 sums), and softmax·V from
-    the run's own softmax weights bit for bit by vulkan.f16_weighted_sum, where the
+    the run's own softmax weights bit for bit by vulkan.weighted_sum, where the
     weights in f16 with exact sums miss; at 1 token, float32 (matrix-vector shaders)."""
     model = ExactModel(files[target])
     heads = model.hp.n_head
@@ -121,7 +198,7 @@ def test_attention_rounds_q_and_the_softmax_weights_and_sums_in_f16(
         q16_kq = np.einsum("hd,nhd->hn", vulkan.f16(q[-1]), k16)
         p = tensors["kq_soft_max-0"].reshape(heads, -1)[:, :n].astype(np.float64)
         theirs = tensors["kqv-0"].reshape(heads, -1).astype(np.float64)
-        ours = vulkan.f16_weighted_sum(vulkan.f16(p)[:, None], v16.transpose(1, 0, 2))[:, 0]
+        ours = vulkan.weighted_sum(vulkan.f16(p)[:, None], v16.transpose(1, 0, 2))[:, 0]
         if n == 1:
             assert _relative(plain_kq, theirs_kq) < 1e-6
             continue
@@ -135,6 +212,25 @@ def test_attention_rounds_q_and_the_softmax_weights_and_sums_in_f16(
 
 
 VULKAN = Roundings(vulkan_matmul=True, kv_f16=True, vulkan_attention=True)
+VULKAN_INT_DOT = dataclasses.replace(VULKAN, vulkan_int_dot=True)
+VULKAN_KV32 = Roundings(vulkan_matmul=True, vulkan_attention_kv_f32=True)
+KV32_TARGETS = ["f32", "q8_0", "q4_k_m"]  # the formats kept of capture.py's kv32 mode
+
+
+def captured_first_steps(runs: np.lib.npyio.NpzFile, n: int) -> tuple[list[list[int]], np.ndarray]:
+    """capture.py's first steps of prompts of ``n`` tokens (one from each of STARTS): the
+    prompts' tokens and the run's logits, (prompts, vocabulary)."""
+    prompts = [runs[f"{n}-{s}-tokens"].tolist() for s in STARTS]
+    return prompts, np.stack([runs[f"{n}-{s}"] for s in STARTS]).astype(np.float64)
+
+
+def run_distance(
+    model: ExactModel, prompts: list[list[int]], run: np.ndarray, switches: Roundings
+) -> float:
+    """The median over the prompts of the run's first steps' largest |Δ| from the
+    engine's with ``switches`` (left on the model)."""
+    model.roundings = switches
+    return float(np.median(np.abs(run - model.first_steps(prompts)).max(axis=1)))
 
 
 def first_step_figures(
@@ -143,8 +239,7 @@ def first_step_figures(
     """Medians over the prompts of the run's first steps' largest |Δ| from the exact
     answer and from the engine with Vulkan's ``switches`` (the residual), and the budget's
     floor: the larger of two jittered emulations' distances from the emulation."""
-    model.roundings = Roundings()
-    exact = model.first_steps(prompts)
+    exact = run_distance(model, prompts, run, Roundings())
     model.roundings = switches
     emulated = model.first_steps(prompts)
     jittered = []
@@ -152,11 +247,7 @@ def first_step_figures(
         model.roundings = dataclasses.replace(switches, jitter=seed)
         jittered.append(np.abs(model.first_steps(prompts) - emulated).max(axis=1))
     floor = float(np.median(np.max(jittered, axis=0)))
-    return (
-        float(np.median(np.abs(run - exact).max(axis=1))),
-        float(np.median(np.abs(run - emulated).max(axis=1))),
-        floor,
-    )
+    return exact, float(np.median(np.abs(run - emulated).max(axis=1))), floor
 
 
 @pytest.mark.parametrize("target", ["f32", "q8_0", "q4_k_m", "q6_k"])
@@ -172,12 +263,115 @@ def test_whole_first_steps_are_within_the_floor_with_the_switches(
     model = ExactModel(files[target], n_ctx=256)
     model.first_step_only = True
     for n in (3, 5, 12, 40):
-        prompts = [runs[f"{n}-{s}-tokens"].tolist() for s in STARTS]
-        run = np.stack([runs[f"{n}-{s}"] for s in STARTS]).astype(np.float64)
+        prompts, run = captured_first_steps(runs, n)
         exact, residual, floor = first_step_figures(model, prompts, run)
         assert residual <= floor and 2 * residual < exact, (n, residual)
         if n == 3 and target != "q4_k_m":
             assert residual < 1e-5, residual
+
+
+@pytest.mark.parametrize(("target", "at"), [("q8_0", 3), ("q4_k_m", 3), ("q6_k", 12)])
+def test_whole_first_steps_with_integer_dot_products_are_within_the_floor(
+    int_dot_files: dict[str, Path], target: str, at: int
+) -> None:
+    """The first steps on lavapipe-int: the engine with the switches of a device with
+    integer dot products is within its floor of the run at 3, 5, 12 and 40 tokens (the
+    floor is wide: a value moved by a float32 ulp can round to another q8_1 integer); at
+    ``at`` tokens it is at float32's level where the switches of a device without them
+    are more than 0.1 away."""
+    runs = np.load(LAVAPIPE_INT / f"{target}-logits.npz")
+    model = ExactModel(int_dot_files[target], n_ctx=256)
+    model.first_step_only = True
+    for n in (3, 5, 12, 40):
+        prompts, run = captured_first_steps(runs, n)
+        _, residual, floor = first_step_figures(model, prompts, run, VULKAN_INT_DOT)
+        assert residual <= floor, (n, residual, floor)
+        if n == at:
+            scalar = run_distance(model, prompts, run, VULKAN)
+            assert residual < 1e-5 and scalar > 0.1, (residual, scalar)
+
+
+def attention_at_last_token(
+    model: ExactModel, tensors: np.lib.npyio.NpzFile, n: int
+) -> tuple[np.ndarray, ...]:
+    """Layer 0's Q, K and V through Vulkan's matmuls, and the run's K·Q, softmax weights
+    (per head, over the prompt's cells) and softmax·V at the last of ``n`` tokens."""
+    heads = model.hp.n_head
+    q, k, v = _layer0_qkv(model, tensors["tokens"])
+    kq = tensors["kq-0"].reshape(heads, -1)[:, :n].astype(np.float64)
+    p = tensors["kq_soft_max-0"].reshape(heads, -1)[:, :n].astype(np.float64)
+    return q, k, v, kq, p, tensors["kqv-0"].reshape(heads, -1).astype(np.float64)
+
+
+@pytest.mark.parametrize("target", KV32_TARGETS)
+def test_with_an_f32_cache_attention_takes_k_and_v_in_f16_above_one_token(
+    files: dict[str, Path], target: str
+) -> None:
+    """An f32 KV cache (lavapipe-kv32): for one token K·Q and softmax·V from the f32
+    values at float32's level (matrix-vector shaders), which f16 K or V miss; above, K·Q
+    with Q and K in f16 at float32's level on most scores, and softmax·V from the run's
+    own softmax weights as mul_mm with f16 operands and float32 sums (bit for bit on 9 of
+    the 12 and on 96.5% of values or more of the rest), where
+    the ubatch reads every cell of the cache (a context of 256), but with f16 sums where it
+    reads fewer (a context of 1,024, kv32-wide: V copied to f16 first), each missing the
+    other's run by more than 1e-4."""
+    model = ExactModel(files[target])
+    for n in (1, 3, 5, 12, 40):
+        q, k, v, theirs_kq, p, theirs = attention_at_last_token(
+            model, np.load(LAVAPIPE_KV32 / f"{target}-kv32-{n}.npz"), n
+        )
+        k16, v16 = vulkan.f16(k), vulkan.f16(v)
+        if n == 1:  # the matrix-vector shaders read the f32 cache as it is
+            assert _relative(np.einsum("hd,nhd->hn", q[-1], k), theirs_kq) < 1e-6
+            assert _relative(np.einsum("hd,nhd->hn", q[-1], k16), theirs_kq) > 1e-5
+            assert _relative(np.einsum("hn,nhd->hd", p, v), theirs) < 1e-6
+            assert _relative(np.einsum("hn,nhd->hd", p, v16), theirs) > 1e-5
+            continue
+        q16_kq = np.einsum("hd,nhd->hn", vulkan.f16(q[-1]), k16)
+        shares = [_share_equal(kq, theirs_kq) for kq in (q16_kq, np.einsum("hd,nhd->hn", q[-1], k))]
+        assert shares[0] >= 0.75 and shares[1] < 0.1, (n, shares)
+        p16, v_cells = vulkan.f16(p)[:, None], v16.transpose(1, 0, 2)
+        ours = vulkan.weighted_sum(p16, v_cells, f16_sums=False)[:, 0]
+        # bit for bit but where one of V's values (computed here within float32's error of
+        # the run's) lies at an f16 boundary: 96.5% of the values and more, within 2.2e-5
+        assert np.mean(ours == theirs) >= 0.95 and _relative(ours, theirs) < 5e-5, n
+        assert _relative(vulkan.weighted_sum(p16, v_cells)[:, 0], theirs) > 1e-4
+    if target == "q4_k_m":
+        return
+    for n in (12, 300) if target == "f32" else (12,):
+        _, _, v, _, p, theirs = attention_at_last_token(
+            model, np.load(LAVAPIPE_KV32 / f"{target}-kv32-wide-{n}.npz"), n
+        )
+        p16, v_cells = vulkan.f16(p)[:, None], vulkan.f16(v).transpose(1, 0, 2)
+        assert np.array_equal(vulkan.weighted_sum(p16, v_cells)[:, 0], theirs), n
+        assert _relative(vulkan.weighted_sum(p16, v_cells, f16_sums=False)[:, 0], theirs) > 1e-4
+
+
+@pytest.mark.parametrize("target", ["f32", "q8_0"])
+def test_whole_first_steps_with_an_f32_cache_are_within_the_floor(
+    files: dict[str, Path], target: str
+) -> None:
+    """The first steps with an f32 KV cache on lavapipe (a context of 256): the engine
+    with the switches of an f32 cache within its floor of the run at 3, 5, 12 and 40
+    tokens, at 3 at float32's level where those of an f16 cache are more than 1e-3 away;
+    in a context of 1,024 the same prompt's softmax·V sums in f16 (the engine reads the
+    context: its first step differs)."""
+    runs = np.load(LAVAPIPE_KV32 / f"{target}-logits-kv32.npz")
+    model = ExactModel(files[target], n_ctx=256)
+    model.first_step_only = True
+    for n in (3, 5, 12, 40):
+        prompts, run = captured_first_steps(runs, n)
+        _, residual, floor = first_step_figures(model, prompts, run, VULKAN_KV32)
+        assert residual <= floor, (n, residual, floor)
+        if n == 3:
+            f16_cache = run_distance(model, prompts, run, VULKAN)
+            assert residual < 1e-5 and f16_cache > 1e-3, (residual, f16_cache)
+    prompts, _ = captured_first_steps(runs, 12)
+    model.roundings = VULKAN_KV32
+    in_256 = model.first_steps(prompts)
+    wide = ExactModel(files[target], n_ctx=1024, roundings=VULKAN_KV32)
+    wide.first_step_only = True
+    assert np.abs(wide.first_steps(prompts) - in_256).max() > 1e-6
 
 
 FLASH_LENGTHS = [1, 2, 5, 12, 40, 300]  # capture.py's FA_LAYER0
@@ -228,8 +422,7 @@ def test_whole_first_steps_with_flash_attention_are_within_the_floor(
         runs = np.load(LAVAPIPE_FA / f"{target}-logits-{name}.npz")
         switches = Roundings(vulkan_matmul=True, kv_f16=True, vulkan_flash=True, n_ubatch=n_ubatch)
         for n in (3, 5, 12, 40):
-            prompts = [runs[f"{n}-{s}-tokens"].tolist() for s in STARTS]
-            run = np.stack([runs[f"{n}-{s}"] for s in STARTS]).astype(np.float64)
+            prompts, run = captured_first_steps(runs, n)
             exact, residual, floor = first_step_figures(model, prompts, run, switches)
             assert residual <= floor and 2 * residual < exact, (name, n, residual)
 
@@ -260,17 +453,25 @@ def test_flash_splits_the_cells_as_ggml_vulkan_on_this_device() -> None:
 
 def test_a_run_records_its_vulkan_device_and_the_budget_reads_its_path() -> None:
     """ggml_vulkan's device line becomes the run's ``vulkan_devices``; a budget is made
-    only for a device whose line reads as lavapipe's: another's (matrix cores, integer dot
-    products) or none recorded is "not emulated", saying why."""
+    only for a device whose line reads as lavapipe's, with integer dot products or without:
+    another's (matrix cores) or none recorded is "not emulated", saying why, as is an
+    NVIDIA, AMD or Intel device with integer dot products in one-token ubatches (their
+    one-token rule is not followed)."""
     placement = parse_placement(LAVAPIPE_LINE + "\nggml_vulkan: Found 1 Vulkan devices:\n")
     (device,) = placement.vulkan_devices
     assert device["device"] == "Vulkan0" and device["matrix cores"] == "none"
     assert device["name"] == "llvmpipe (LLVM 15.0.6, 256 bits) (llvmpipe)"
     used = [{"name": "Vulkan0"}]
     assert vulkan_path_problem({"used_devices": used, "vulkan_devices": [device]}) is None
+    int_dot = {"used_devices": used, "vulkan_devices": [device | {"int dot": "1"}]}
+    assert vulkan_path_problem(int_dot) is None and vulkan_path_problem(int_dot, 1) is None
     h200 = device | {"name": "NVIDIA H200", "int dot": "1", "matrix cores": "NV_coopmat2"}
     why = vulkan_path_problem({"used_devices": used, "vulkan_devices": [h200]})
-    assert why is not None and "NV_coopmat2" in why and "int dot: 1" in why
+    assert why is not None and "matrix cores: NV_coopmat2" in why
+    rdna2 = device | {"name": "AMD Radeon RX 6800 (RADV NAVI21)", "int dot": "1"}
+    rdna2_run = {"used_devices": used, "vulkan_devices": [rdna2]}
+    assert vulkan_path_problem(rdna2_run) is None
+    assert "one-token matmuls" in str(vulkan_path_problem(rdna2_run, 1))
     assert "did not record" in str(vulkan_path_problem({"used_devices": used}))
     settings = DeviceSettings(backend="vulkan").as_dict()
     record = {
@@ -287,22 +488,68 @@ def test_a_run_records_its_vulkan_device_and_the_budget_reads_its_path() -> None
 
 def test_vulkan_sources_are_its_matmuls_cache_and_attention() -> None:
     """A Vulkan combination's sources (flash attention in place of attention where it is
-    on); the f32 copy's matmuls all of f32; an f32 cache not emulated (yet), by name."""
+    on); the f32 copy's matmuls all of f32; with an f32 cache, attention as it reads that
+    cache and no f16 K/V (flash attention then not emulated yet, by name); on a
+    device with integer dot products the quantized file's matmuls take q8_1 activations,
+    planned beside the others (the device is known from the run's record only), and the
+    budget takes the set of the device its run recorded."""
     sources = sources_of(DeviceSettings(backend="vulkan").as_dict(), "none")
     assert set(sources) == {"vulkan_matmul", "kv_f16", "vulkan_attention"}
     assert not sources["vulkan_matmul"].f32_copy
     assert sources_of(DeviceSettings(backend="vulkan").as_dict(), "f32")["vulkan_matmul"].f32_copy
     flash = sources_of(DeviceSettings(backend="vulkan", flash_attn=True).as_dict(), "none")
     assert set(flash) == {"vulkan_matmul", "kv_f16", "vulkan_flash"}
-    with pytest.raises(NotEmulatedError, match="f32 KV cache"):
-        sources_of(DeviceSettings(backend="vulkan", kv_cache_type="f32").as_dict(), "none")
-    _, entries = plan({"vulkan.none": (DeviceSettings(backend="vulkan").as_dict(), "none")})
-    assert "sources" in entries["vulkan.none"]
+    kv32 = sources_of(DeviceSettings(backend="vulkan", kv_cache_type="f32").as_dict(), "none")
+    assert set(kv32) == {"vulkan_matmul", "vulkan_attention_kv_f32"}
+    with pytest.raises(NotEmulatedError, match="flash attention with an f32 KV cache"):
+        settings = DeviceSettings(backend="vulkan", kv_cache_type="f32", flash_attn=True)
+        sources_of(settings.as_dict(), "none")
+    int_dot = sources_of(DeviceSettings(backend="vulkan").as_dict(), "none", int_dot=True)
+    assert set(int_dot) == {"vulkan_int_dot", "kv_f16", "vulkan_attention"}
+    assert int_dot["vulkan_int_dot"].vulkan_matmul and int_dot["vulkan_int_dot"].vulkan_int_dot
+    vk = DeviceSettings(backend="vulkan").as_dict()
+    configs, entries = plan({"vulkan.none": (vk, "none"), "vulkan.f32": (vk, "f32")})
+    assert "sources" in entries["vulkan.none"] and "int_dot" not in entries["vulkan.f32"]
+    alternative = entries["vulkan.none"]["int_dot"]
+    assert configs[alternative["together"]]["vulkan_int_dot"]
+    assert not configs[entries["vulkan.none"]["together"]]["vulkan_int_dot"]
+    # only the int-dot device's sets computed: its run gets a budget, the other's does not
+    computed = {
+        c: np.zeros((1, 4))
+        for c in [
+            *alternative["sources"].values(),
+            alternative["together"],
+            *alternative["jittered"],
+        ]
+    }
+    emulation = {"status": "ok", "prompt_ids": ["p"], "applies": dict.fromkeys(configs, True)}
+    for int_dot_device in ("0", "1"):
+        record = {
+            "settings": vk,
+            "dequant": "none",
+            "prompts": [{"id": "p", "prompt_tokens": [1, 2]}],
+            "provenance": {
+                "used_devices": [{"name": "Vulkan0"}],
+                "vulkan_devices": [_lavapipe_device() | {"int dot": int_dot_device}],
+            },
+        }
+        row = combination_budget(
+            record, np.zeros((1, 4)), None, (emulation, computed), np.zeros((1, 4))
+        )
+        assert (row["status"] == "n/a") == (int_dot_device == "0"), row
 
 
-def test_every_vulkan_source_is_computed_for_a_model(files: dict[str, Path]) -> None:
-    """emulate computes each of a Vulkan combination's sources (none is taken for one
-    that cannot change the model), and each moves the first step of a 12-token prompt."""
+def _lavapipe_device() -> dict[str, str]:
+    (device,) = parse_placement(LAVAPIPE_LINE + "\n").vulkan_devices
+    return device
+
+
+def test_every_vulkan_source_is_computed_for_a_model(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """emulate computes each of a Vulkan combination's sources, for a device with integer
+    dot products too (none is taken for one that cannot change the model), and each moves
+    the first step of a 12-token prompt; it says how far it has come."""
     combos = {
         f"vulkan.{d}": (DeviceSettings(backend="vulkan").as_dict(), d) for d in ("none", "f32")
     }
@@ -312,12 +559,18 @@ def test_every_vulkan_source_is_computed_for_a_model(files: dict[str, Path]) -> 
         files["q8_0"], {"generation": {"n_ctx": 64}, "prompts": prompts}, configs
     )
     assert all(record["applies"].values()), record["applies"]
+    said = capsys.readouterr().err  # a line per set, for a user watching the job's log
+    assert f"[qdiff] roundings {len(configs)}/{len(configs)}: " in said
     exact = ExactModel(files["q8_0"], n_ctx=64)
     exact.first_step_only = True
     plain = exact.first_steps([prompts[0]["prompt_tokens"]])
-    for entry in entries.values():
+    int_dot = entries["vulkan.none"]["int_dot"]["sources"]["vulkan_int_dot"]
+    for entry in [*entries.values(), entries["vulkan.none"]["int_dot"]]:
         for name, config in entry["sources"].items():
             assert np.abs(arrays[config] - plain).max() > 1e-6, name
+    # the q8_1 activations move it beyond the f16 operands of mul_mm alone
+    scalar = entries["vulkan.none"]["sources"]["vulkan_matmul"]
+    assert np.abs(arrays[int_dot] - arrays[scalar]).max() > 1e-3
 
 
 def test_round_to_f16_is_numpys_conversion_to_f16_and_back() -> None:

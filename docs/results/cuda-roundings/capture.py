@@ -185,16 +185,27 @@ def save_fa(out: Path, path: Path, target: str, backend: str) -> None:
         np.savez_compressed(out / f"{target}-fa-{n}.npz", **tensors)
 
 
-MODES = {"ub1": save_ub1, "kv32": save_kv32, "fa": save_fa}
+def save_kv32_wide(out: Path, path: Path, target: str, backend: str) -> None:
+    """Layer 0 with an f32 KV cache in a context of 1,024 (capture's context for prompts
+    of 300 tokens): the cells a ubatch reads (256, 512) fewer than the cache's, so that
+    its view of V is not contiguous (Vulkan copies it to f16 first). f32 and Q8_0 only."""
+    if target not in ("f32", "q8_0"):
+        return
+    for n, tensors in capture(path, [12, 300], backend, False, kv_cache_type="f32").items():
+        np.savez_compressed(out / f"{target}-kv32-wide-{n}.npz", **tensors)
+
+
+MODES = {"ub1": save_ub1, "kv32": save_kv32, "kv32-wide": save_kv32_wide, "fa": save_fa}
 
 
 def main() -> None:
     """``capture.py OUT [BACKEND] [ub1 | kv32 | fa]``: with ``ub1``, only the first steps of
     UB1_STEPS in one-token ubatches (``<target>-logits-ub1.npz``); with ``kv32``, the
     first steps and layer 0 with an f32 KV cache (``<target>-logits-kv32.npz``,
-    ``<target>-kv32-<n>.npz``); with ``fa``, with flash attention (first steps in one
-    ubatch and in one-token ubatches, ``<target>-logits-fa.npz``, ``-fa-ub1.npz``, and
-    layer 0 at FA_LAYER0, ``<target>-fa-<n>.npz``)."""
+    ``<target>-kv32-<n>.npz``); with ``kv32-wide``, layer 0 with an f32 KV cache in a
+    larger context (``<target>-kv32-wide-<n>.npz``); with ``fa``, with flash attention
+    (first steps in one ubatch and in one-token ubatches, ``<target>-logits-fa.npz``,
+    ``-fa-ub1.npz``, and layer 0 at FA_LAYER0, ``<target>-fa-<n>.npz``)."""
     out = Path(sys.argv[1])
     backend = sys.argv[2] if len(sys.argv) > 2 else "cuda"
     out.mkdir(parents=True, exist_ok=True)

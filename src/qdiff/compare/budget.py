@@ -37,6 +37,8 @@ from qdiff.core.roundings import (
     NOT_FOLLOWED_LABELS,
     SOURCE_LABELS,
     plan,
+    ubatch_of,
+    vulkan_int_dot,
     vulkan_path_problem,
 )
 
@@ -155,8 +157,11 @@ def combination_budget(
     job's record (the floor), or why there is none."""
     entry = plan({"run": (record["settings"], record["dequant"])})[1]["run"]
     vulkan = record["settings"]["backend"] == "vulkan" and "sources" in entry
-    if vulkan and (why := vulkan_path_problem(record.get("provenance", {}))):
+    provenance = record.get("provenance", {})
+    if vulkan and (why := vulkan_path_problem(provenance, ubatch_of(record["settings"]))):
         return {"status": "n/a", "reason": f"not emulated: {why}"}
+    if vulkan and vulkan_int_dot(provenance):  # the shaders of integer dot products
+        entry = entry.pop("int_dot", entry)
     emulation, emulated = roundings
     if emulation["status"] != "ok":  # the report lists it with the failures
         return {"status": "failed", "reason": f"no emulation: {failure_text(emulation)}"}

@@ -28,22 +28,20 @@ f32 KV cache takes these f32 kernels too (kv_f32_operand).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from qdiff.core.roundings import NotEmulatedError
+from qdiff.exact.blocks import OFFSET_TYPES, Q8_1, QK, by_rows, f16
 
 if TYPE_CHECKING:
     from qdiff.exact.model import Weights
 
-ROWS_AT_ONCE = 4096  # weight rows whose integers are recovered at once (linear)
 MMVQ_MAX_TOKENS = 8  # mmvq.cuh MMVQ_MAX_BATCH_SIZE: more tokens take MMQ
 MMVF_MAX_TOKENS = 3  # mmvf.cu ggml_cuda_should_use_mmvf, f32 weights on Ampere and later
 MMF_MAX_TOKENS = 16  # mmf.cu ggml_cuda_should_use_mmf: more tokens take cuBLAS
-QK = 32  # values per q8_1 block
 # weight types whose q8_1 scale MMQ keeps in float32 (mmq.cuh mmq_get_q8_1_ds_layout: D4)
 MMQ_FLOAT_SCALE = {"q5_0", "q8_0", "q6_k"}
 # where a kernel's dot products take the activations' block sum, not d·Σq
@@ -53,9 +51,6 @@ USES_SUM = {
 }
 EMULATED = {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"}
 FOLLOWED = EMULATED | {"f32", "f16"}  # the matmul weights whose CUDA kernels the engine follows
-# bytes per block of the types whose block fields are read (ggml-common.h): an fp16 d
-# first; q4_1 and q5_1 then an fp16 m; q4_K and q5_K an fp16 dmin and 12 bytes of scales
-BLOCK_BYTES = {"q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24, "q4_k": 144, "q5_k": 176}
 
 
 def kernel_for(n_tokens: int) -> str:
@@ -66,27 +61,6 @@ def kernel_for(n_tokens: int) -> str:
 def round_half_away(v: np.ndarray) -> np.ndarray:
     """CUDA's ``roundf``: to the nearest integer, halves away from zero."""
     return np.sign(v) * np.floor(np.abs(v) + 0.5)
-
-
-def f16(x: np.ndarray) -> np.ndarray:
-    return np.asarray(x, dtype=np.float16).astype(np.float64)
-
-
-@dataclass(frozen=True)
-class Q8_1:
-    """A batch of rows quantized to q8_1 as one kernel keeps them: (tokens, blocks, 32)
-    integers ``q``, the scale the dot products take (tokens, blocks), and the f16 block
-    sum of the unrounded values (tokens, blocks)."""
-
-    q: np.ndarray
-    scale: np.ndarray
-    sum: np.ndarray
-
-    @property
-    def values(self) -> np.ndarray:
-        """The activations as the integer dot products see them, (tokens, values)."""
-        v = self.q * self.scale[..., None]
-        return v.reshape(len(v), -1)
 
 
 def quantize_q8_1(x: np.ndarray, kernel: str, weight_type: str) -> Q8_1:
@@ -109,61 +83,16 @@ def quantize_q8_1(x: np.ndarray, kernel: str, weight_type: str) -> Q8_1:
     return Q8_1(q.astype(np.float64), scale, f16(total))
 
 
-def _half(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The fp16 field at byte ``at`` of each block, (rows, blocks) in float64."""
-    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float64)
-
-
-def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """q4_K or q5_K blocks' sub-block scales d·sc and offsets dmin·m, each in float32 as
-    ggml computes them (``get_scale_min_k4``), (rows, sub-blocks of 32)."""
-    d, dmin = _half(blocks, 0), _half(blocks, 2)
-    s = blocks[..., 4:16].astype(np.int32)
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
-    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    rows = len(d)
-    scale = (d[..., None].astype(np.float32) * sc.astype(np.float32)).reshape(rows, -1)
-    offset = (dmin[..., None].astype(np.float32) * m.astype(np.float32)).reshape(rows, -1)
-    return scale.astype(np.float64), offset.astype(np.float64)
-
-
-def _affine(
-    weights: Weights, name: str, rows: slice = slice(None)
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of a weight as A·n + B per block of 32: the integers n (rows, blocks, 32), the
-    scale A and the offset B (rows, blocks), recovered from ggml's dequantized values."""
-    kind = weights.type_of(name).lower()
-    blocks = weights.blocks(name)[rows]
-    if kind in ("q4_k", "q5_k"):
-        scale, offset = _k_scales(blocks)
-        offset = -offset
-    elif kind in ("q4_1", "q5_1"):
-        scale, offset = _half(blocks, 0), _half(blocks, 2)
-    else:  # q4_0, q5_0: the integers are centred on 8, 16
-        scale = _half(blocks, 0)
-        offset = -scale * (8 if kind == "q4_0" else 16)
-    w = weights[name][rows].reshape(len(scale), -1, QK)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        n = np.where(scale[..., None] != 0, np.rint((w - offset[..., None]) / scale[..., None]), 0)
-    return n, scale, offset
-
-
 def linear(x: np.ndarray, weights: Weights, name: str, kernel: str) -> np.ndarray:
     """x @ Wᵀ as ``kernel`` (``mmvq`` or ``mmq``) computes it on an H200, for a weight of
-    one of the EMULATED types; x is (tokens, values). The weight's integers are recovered
-    ROWS_AT_ONCE rows at a time (each a float64 copy of those rows)."""
+    one of the EMULATED types; x is (tokens, values)."""
     kind = weights.type_of(name).lower()
     if kind not in EMULATED:
         raise NotEmulatedError(f"CUDA's kernels for {kind} weights")
     a = quantize_q8_1(x, kernel, kind)
-    if kind not in BLOCK_BYTES:  # q8_0, q6_K: d·n exactly, no offset
+    if kind not in OFFSET_TYPES:  # q8_0, q6_K: d·n exactly, no offset
         return a.values @ weights[name].T
-    n_rows = len(weights.blocks(name))
-    y = np.empty((len(x), n_rows))
-    for start in range(0, n_rows, ROWS_AT_ONCE):
-        rows = slice(start, start + ROWS_AT_ONCE)
-        y[:, rows] = _block_products(a, kind, kernel, *_affine(weights, name, rows))
-    return y
+    return by_rows(weights, name, len(x), partial(_block_products, a, kind, kernel))
 
 
 def _block_products(
@@ -173,12 +102,10 @@ def _block_products(
         return _mmvq_rounded_products(a, n, scale, offset)
     if kernel == "mmq" and kind in ("q4_k", "q5_k"):
         scale, offset = f16(scale), f16(offset)
+    if kind not in USES_SUM[kernel]:  # the offset meets d·Σq: the plain products
+        a = Q8_1(a.q, a.scale, a.scale * a.q.sum(axis=-1))
     # the kernel's integer products scaled per block: A·n + B exactly, not ggml's float32
-    y = a.values @ (scale[..., None] * n + offset[..., None]).reshape(len(n), -1).T
-    if kind in USES_SUM[kernel]:
-        # the offset meets the f16 block sum, not the rounded values' sum
-        y += (a.sum - a.scale * a.q.sum(axis=-1)) @ offset.T
-    return y
+    return a.products(n, scale, offset)
 
 
 def _mmvq_rounded_products(

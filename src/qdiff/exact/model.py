@@ -16,7 +16,7 @@ from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
 from qdiff.exact import cuda, dequantize, vulkan
 from qdiff.exact.architectures import read_hparams
-from qdiff.exact.cuda import BLOCK_BYTES
+from qdiff.exact.blocks import BLOCK_BYTES
 from qdiff.exact.roundings import (
     CPU_VEC_DOT_TYPE,
     Scores,
@@ -245,6 +245,7 @@ class ExactModel:
         ``layer_by_layer``: hold one layer's weights in float64 at a time, not all of them
         (``hidden`` takes every sequence through a layer before the next)."""
         self.layer_by_layer = layer_by_layer
+        self.n_ctx = n_ctx
         self.weights = Weights(path)
         self.hp = read_hparams(self.weights.file.fields, set(self.weights.names()), n_ctx)
         # LongRoPE's other set of factors is left out by choice, as llama.cpp leaves it
@@ -284,7 +285,8 @@ class ExactModel:
         weight's own ``.bias``, or ``bias``), the input rounded as the CPU rounds it for this
         weight's type when the ``activations`` switch is on, as CUDA's kernels do when
         ``cuda_activations`` is (quantized weights), ``cuda_tf32`` (f32 weights) or
-        ``cuda_f16`` (f16 weights)."""
+        ``cuda_f16`` (f16 weights), as Vulkan's shaders do when ``vulkan_int_dot`` is
+        (quantized weights) or ``vulkan_matmul`` (the others, or all of them)."""
         bias = bias or name.removesuffix("weight") + "bias"
         r = self._roundings
         kind = "f32" if r.f32_copy else self.weights.type_of(name)
@@ -298,6 +300,9 @@ class ExactModel:
             y = self._by_tokens(self.rounded(x, lambda v: v), name, cuda.f32_linear)
         elif r.cuda_f16 and kind.lower() == "f16":
             y = self._by_tokens(self.rounded(x, lambda v: v), name, cuda.f16_linear)
+        elif r.vulkan_int_dot and kind.lower() in vulkan.INT_DOT_TYPES:
+            kernel = partial(vulkan.int_dot_linear, weights=self.weights, name=name)
+            y = self._by_tokens(self.rounded(x, lambda v: v), name, kernel)
         elif r.vulkan_matmul:
             kernel = partial(vulkan.linear, kind=kind.lower())
             y = self._by_tokens(self.rounded(x, lambda v: v), name, kernel)
@@ -400,7 +405,7 @@ class ExactModel:
             )
             if ((kernels == "mma") & (positions >= cuda.FLASH_TILE_MIN)).any():
                 self.not_followed.add("cuda_flash_tiles")
-        elif r.vulkan_attention:  # the matrix-vector shaders for one token, mul_mm above
+        elif r.vulkan_attention or r.vulkan_attention_kv_f32:  # mat-vec for one token, mul_mm above
             kernels = np.where(self._tokens_of_rows(n) == 1, "mat_vec", "mul_mm")
         out = np.empty_like(q)
         for rows in _spans(lengths):
@@ -432,7 +437,7 @@ class ExactModel:
             return self._cuda_attention_kv_f32(q, k, v, masked, scores, kernels)
         if r.cuda_flash:
             return self._cuda_flash(q, k, v, masked, scores, kernels)
-        if r.vulkan_attention:
+        if r.vulkan_attention or r.vulkan_attention_kv_f32:
             return self._vulkan_attention(q, k, v, masked, scores, kernels)
         if r.vulkan_flash:
             return self._vulkan_flash(q, k, v, masked, scores)
@@ -459,18 +464,39 @@ class ExactModel:
         """One sequence's attention as Vulkan computes each row (qdiff.exact.vulkan):
         nothing rounded in a one-token ubatch (the device's float32, taken in float64);
         above, Q in f16 for K·Q and the softmax weights in f16, summed in f16 over the
-        cells."""
+        cells, and an f32 cache's K and V copied to f16 (``vulkan_attention_kv_f32``)."""
         out = np.empty((len(q), q.shape[1], v.shape[2]))
         single = kernels == "mat_vec"
         if single.any():
             out[single] = _softmax_attention(q[single], k, v, masked[single], scores)
-        if not single.all():
-            batched = ~single
+        if single.all():
+            return out
+        batched = ~single
+        if not self._roundings.vulkan_attention_kv_f32:
             q16 = self.rounded(q[batched], f16)
             out[batched] = _softmax_attention(
                 q16, k, v, masked[batched], scores, self._vulkan_weights
             )
+            return out
+        # an f32 cache: mul_mm takes K and V in f16; V's sums are float32 where the ubatch
+        # sees every cell of the cache (V's view then contiguous, read in place as an f32
+        # matrix), else f16 (V copied to f16 first, then as an f16 cache's)
+        k, v = self.rounded(k, f16), self.rounded(v, f16)
+        q16 = self.rounded(q, f16)
+        ubatch = np.arange(len(q)) // self._roundings.n_ubatch
+        for u in np.unique(ubatch[batched]):
+            rows = batched & (ubatch == u)
+            seen = min(len(q), (u + 1) * self._roundings.n_ubatch)  # cells after the ubatch
+            n_kv = -(-seen // cuda.KV_PAD) * cuda.KV_PAD  # those its graph reads
+            weights = self._vulkan_weights if n_kv < self._cache_cells() else self._f32_v_weights
+            out[rows] = _softmax_attention(q16[rows], k, v, masked[rows], scores, weights)
         return out
+
+    def _cache_cells(self) -> int:
+        """The cells of the run's KV cache (its context, padded as llama.cpp pads it)."""
+        if self.n_ctx is None:
+            raise NotEmulatedError("Vulkan's reading of an f32 KV cache needs the context's size")
+        return -(-self.n_ctx // cuda.KV_PAD) * cuda.KV_PAD
 
     def _vulkan_flash(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, masked: np.ndarray, scores: Scores
@@ -500,7 +526,10 @@ class ExactModel:
         return out
 
     def _vulkan_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
-        return vulkan.f16_weighted_sum(self.rounded(p, f16), v)
+        return vulkan.weighted_sum(self.rounded(p, f16), v)
+
+    def _f32_v_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return vulkan.weighted_sum(self.rounded(p, f16), v, f16_sums=False)
 
     def _f16_weights(self, p: np.ndarray, v: np.ndarray) -> np.ndarray:
         """softmax·V with the weights rounded to f16 and float32 sums (the CPU's f16 V,

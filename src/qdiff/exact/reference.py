@@ -4,6 +4,7 @@ qdiff.exact.reference SPEC OUT``)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 from qdiff.core.backends import CPU_VEC_DOT_TYPE
 from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
-from qdiff.exact import cuda
+from qdiff.exact import cuda, vulkan
 from qdiff.exact.architectures import Hparams, UnsupportedArchitectureError, read_hparams
 from qdiff.exact.model import ATTENTION_BLOCK, BATCH_TOKENS, DEQUANTIZE_VALUES, ExactModel
 
@@ -108,18 +109,21 @@ def emulate(
 
     arrays, not_emulated, not_followed = {}, {}, {}
     plain = None  # the engine with no switch on: what every set that changes nothing gives
-    for name, values in configs.items():
+    for done, (name, values) in enumerate(configs.items(), 1):
+        began = time.perf_counter()
         if not applies[name]:
             plain = first_steps(Roundings()) if plain is None else plain
             arrays[name] = plain
-            continue
-        try:
-            arrays[name] = first_steps(Roundings.from_dict(values))
-        except NotEmulatedError as exc:  # this set only (CUDA's switches before bf16 weights)
-            not_emulated[name] = str(exc)
-            continue
-        if exact.not_followed:  # e.g. CUDA's flash attention beyond its first tile
-            not_followed[name] = sorted(exact.not_followed)
+        else:
+            try:
+                arrays[name] = first_steps(Roundings.from_dict(values))
+            except NotEmulatedError as exc:  # this set only (CUDA's switches before bf16)
+                not_emulated[name] = str(exc)
+            else:
+                if exact.not_followed:  # e.g. CUDA's flash attention beyond its first tile
+                    not_followed[name] = sorted(exact.not_followed)
+        seconds = time.perf_counter() - began  # progress, for a user watching the log
+        print(f"[qdiff] roundings {done}/{len(configs)}: {name} ({seconds:.1f} s)", file=sys.stderr)
     record = {
         "prompt_ids": [p["id"] for p in prompts],
         "configs": configs,
@@ -141,7 +145,8 @@ def _changes_anything(
     where it uses GELU, the activations' rounding only before weights that are not f32,
     CUDA's f32 kernels only where a matmul has f32 weights (``has_f32``; every one in the
     f32 copy), its f16 kernels only where a weight is f16; Vulkan's always (every weight's
-    matmul takes mul_mm above 8 tokens, attention above one)."""
+    matmul takes mul_mm above 8 tokens, attention above one), its integer dot products
+    only before quantized weights."""
     quantized = {t.lower() for t in matmul_types}
     return (
         r.kv_f16
@@ -152,10 +157,12 @@ def _changes_anything(
         or r.cuda_flash
         or r.vulkan_matmul
         or r.vulkan_attention
+        or r.vulkan_attention_kv_f32
         or r.vulkan_flash
         or (r.gelu_table and exact.hp.arch.activation == "gelu")
         or (r.activations and bool(quantized))
         or (r.cuda_activations and bool(quantized & cuda.EMULATED))
+        or (r.vulkan_int_dot and bool(quantized & set(vulkan.INT_DOT_TYPES)) and not r.f32_copy)
         or (r.cuda_tf32 and (r.f32_copy or has_f32))
         or (r.cuda_f16 and "f16" in quantized and not r.f32_copy)
     )

@@ -1,12 +1,13 @@
-"""llama.cpp's Vulkan backend on a device with f16 arithmetic and neither matrix cores nor
-integer dot products (``fp16: 1 | int dot: 0 | matrix cores: none`` in ggml_vulkan's
-device line: Mesa's lavapipe), as the float64 engine follows it (issue 31); a GPU with that
-line may still fuse its f16 ``fma`` or split mul_mm's K (K >= 2048 on NVIDIA, AMD and
-Intel), which the engine does not follow. Read in the vendored ggml-vulkan
-(``ggml-vulkan.cpp``, ``vulkan-shaders/mul_mm.comp``, ``dot_product_funcs.glsl``) and held
-to lavapipe's tensors (docs/results/vulkan-roundings): the weights' matmuls bit for bit,
-softmax·V bit for bit from the run's softmax weights, K·Q and flash attention at float32's
-level on most values.
+"""llama.cpp's Vulkan backend on a device with f16 arithmetic and no matrix cores
+(``fp16: 1 | int dot: 0 | matrix cores: none`` in ggml_vulkan's device line: Mesa's
+lavapipe; with ``int dot: 1``, the q8_1 path at the end), as the float64 engine follows it
+(issue 31); a GPU with that line may still fuse its f16 ``fma`` or split mul_mm's K
+(K >= 2048 on NVIDIA, AMD and Intel), which the engine does not follow. Read in the
+vendored ggml-vulkan (``ggml-vulkan.cpp``, ``vulkan-shaders/mul_mm.comp``,
+``dot_product_funcs.glsl``) and held to lavapipe's tensors (docs/results/vulkan-roundings):
+the weights' matmuls bit for bit, softmax·V bit for bit from the run's softmax weights,
+K·Q and flash attention at float32's level on most values; with integer dot products the
+quantized weights' matmuls at float32's level.
 
 - A matmul takes the matrix-vector shaders (float32 throughout) for one token, or for up to
   MAT_VEC_MAX_TOKENS when the batch is one matrix (a weight's matmul;
@@ -24,10 +25,16 @@ level on most values.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from qdiff.core.roundings import NotEmulatedError
+from qdiff.exact.blocks import Q8_1, QK, by_rows, q6_k_integers
 from qdiff.exact.roundings import f16
+
+if TYPE_CHECKING:
+    from qdiff.exact.model import Weights
 
 # ggml-vulkan.cpp mul_mat_vec_max_cols: a weight's matmul of at most this many tokens takes
 # the matrix-vector shaders
@@ -99,13 +106,75 @@ def linear(x: np.ndarray, w: np.ndarray, n_tokens: int, kind: str) -> np.ndarray
     return x @ w.T if n_tokens <= MAT_VEC_MAX_TOKENS else mul_mm(x, w, kind)
 
 
-def f16_weighted_sum(p: np.ndarray, v: np.ndarray) -> np.ndarray:
+# On a device with integer dot products (``int dot: 1``) and no matrix cores, a quantized
+# weight's matmul first quantizes its activations to q8_1 (``ggml_vk_mul_mat_q_f16``,
+# ``ggml_vk_mul_mat_vec_q_f16``: ``quantize_y``), then sums exact integer dot products
+# scaled in float32: mul_mat_vecq.comp up to MAT_VEC_MAX_TOKENS tokens (not for q6_K, which
+# keeps the float32 matrix-vector shader: ``ggml_vk_should_use_mmvq``), mul_mmq.comp beyond.
+# Read in the vendored shaders (quantize_q8_1.comp, mul_mat_vecq_funcs.glsl,
+# mul_mmq_funcs.glsl) and held to lavapipe made to report its integer dot products
+# (docs/results/vulkan-roundings, lavapipe-int).
+INT_DOT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+
+
+def quantize_q8_1(x: np.ndarray) -> Q8_1:
+    """``x`` (tokens, values) as quantize_q8_1.comp keeps it, per block of 32: d = amax/127
+    and q = round(x·(1/d)), both in float32 (GLSL's ``round``, ties to even as lavapipe
+    rounds them), the scale f16(d) and the sum f16(d·Σq) of the rounded values."""
+    if x.shape[-1] % QK:
+        raise NotEmulatedError(f"rows of {x.shape[-1]} values do not split into blocks of 32")
+    b = np.asarray(x, dtype=np.float32).reshape(len(x), -1, QK)
+    d = np.abs(b).max(axis=-1) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        d_inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(b * d_inv[..., None])
+    total = d * q.sum(axis=-1, dtype=np.float32)
+    return Q8_1(q.astype(np.float64), f16(d), f16(total))
+
+
+def int_dot_kernel(n_tokens: int, kind: str) -> str:
+    """The shader a ``kind`` weight's matmul of ``n_tokens`` tokens takes on a device with
+    integer dot products: ``mmvq`` (mul_mat_vecq), ``mmq`` (mul_mmq) or ``mat_vec`` (the
+    float32 matrix-vector shader). One token takes mmvq as on a device of no vendor that
+    ggml_vk_should_use_mmvq names (lavapipe): NVIDIA, AMD and Intel take it for one token
+    only for some types and K."""
+    if n_tokens > MAT_VEC_MAX_TOKENS:
+        return "mmq"
+    return "mat_vec" if kind == "q6_k" else "mmvq"
+
+
+def int_dot_linear(
+    x: np.ndarray, w: np.ndarray, n_tokens: int, weights: Weights, name: str
+) -> np.ndarray:
+    """The rows ``x`` of the matmul of ``n_tokens`` tokens with the weight ``name`` (of an
+    INT_DOT_TYPES type; ``w``: its values) as a device with integer dot products computes
+    them: its q8_1 activations and exact integer products, the offsets of q4_0, q5_0, q4_1,
+    q5_1, q4_K and q5_K meeting the f16 block sum; in mul_mmq the K-quants' scales d·sc and
+    offsets dmin·m in f16 (``FLOAT_TYPEV2`` on an fp16 device), in mul_mat_vecq float32."""
+    kind = weights.type_of(name).lower()
+    kernel = int_dot_kernel(n_tokens, kind)
+    if kernel == "mat_vec":
+        return x @ w.T
+    a = quantize_q8_1(x)
+    if kind == "q8_0":
+        return a.values @ w.T
+    if kind == "q6_k":  # mul_mmq only: d·sc of each 16 values in f16
+        n, scale = q6_k_integers(weights, name)
+        return a.values @ (f16(scale)[..., None] * n).reshape(len(n), -1).T
+    if kernel == "mmq" and kind in ("q4_k", "q5_k"):
+        return by_rows(weights, name, len(x), lambda n, d, m: a.products(n, f16(d), f16(m)))
+    return by_rows(weights, name, len(x), a.products)
+
+
+def weighted_sum(p: np.ndarray, v: np.ndarray, f16_sums: bool = True) -> np.ndarray:
     """softmax·V of more than one token (``p``: the weights, (heads, queries, cells) from
-    the cache's first cell, already rounded to f16; ``v``: the f16 cache, (heads, cells,
-    d)): mul_mm with V as its f16 matrix, the products summed in f16 over the cells."""
+    the cache's first cell, already rounded to f16; ``v``: the cache's values in f16,
+    (heads, cells, d)): mul_mm with V as its matrix, the products summed over the cells in
+    f16 (an f16 matrix: an f16 cache, or an f32 one copied to f16), or in float32 (an f32
+    cache read in place)."""
     a = np.ascontiguousarray(p.transpose(2, 0, 1))[..., None]  # (cells, heads, queries, 1)
     b = np.ascontiguousarray(v.transpose(1, 0, 2))[:, :, None, :]  # (cells, heads, 1, d)
-    return ordered_sum(a, b, block_step("f16"), True)
+    return ordered_sum(a, b, block_step("f16"), f16_sums)
 
 
 # Flash attention's scalar shader (flash_attn.comp, FA_SCALAR: no matrix cores), read in
