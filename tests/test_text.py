@@ -12,13 +12,13 @@ import pytest
 
 from qdiff.compare.forced import with_probabilities
 from qdiff.compare.text import compare_text, mean_and_uncertainty, perplexity_stats
+from qdiff.core import threads
 from qdiff.core.forced import (
-    MAX_WORKERS,
     ForcedRecorder,
     leading_ids,
     log_sum_exp,
     log_sum_exp_rows,
-    recording_workers,
+    slice_pass,
     top_ids,
 )
 from qdiff.core.text import as_run, split, windows
@@ -201,6 +201,33 @@ def test_rows_are_recorded_as_one_by_one() -> None:
             assert np.array_equal(value, many.arrays[key], equal_nan=value.dtype.kind == "f"), key
 
 
+def test_a_slices_log_sum_exp_is_float64s_to_its_tails_own_precision() -> None:
+    """Float32 rows: float32 exponentials outside the slice, so the log-sum-exp's error is
+    a tiny share of the tail's own mass (within 1e-7 of it), not of the row's: where the
+    tail is 1e-12 of the row or less it is float64's to its last digits (a float32 total
+    less the slice would be about 1e-8 off there, which the KL's tail term multiplies);
+    float64 rows in float64. The largest logit outside the slice is found on the way."""
+    rng = np.random.default_rng(7)
+    for width, k, scale in [(300, 16, 4.0), (49152, 1024, 3.0), (2000, 100, 10.0)]:
+        rows = (rng.standard_normal((40, width)) * scale).astype(np.float32)
+        rows[20:, :5] += 40  # tails of 1e-12 and less
+        ids = np.stack([top_ids(r, k) for r in rows])
+        ids[3, -2:] = -1  # a slice cut short
+        exact = np.array([log_sum_exp(r) for r in rows])
+        outside = rows.astype(np.float64)
+        for row, kept in zip(outside, ids, strict=True):
+            row[kept[kept >= 0]] = -np.inf
+        tail = np.exp(outside - exact[:, None]).sum(axis=1)
+        lse, kept, largest = slice_pass(rows, ids)
+        assert (np.abs(lse - exact) <= 1e-7 * tail + 1e-13).all(), (width, k)
+        assert np.array_equal(largest, outside.max(axis=1))
+        assert np.array_equal(kept, np.take_along_axis(rows, ids, axis=1))  # -1: the last
+        in_float64 = slice_pass(rows.astype(np.float64), ids).lse
+        assert np.abs(in_float64 - exact).max() < 1e-13
+    whole = np.stack([np.arange(300)] * 2)  # the slice holds the row: nothing outside
+    assert (slice_pass(rows[:2, :300], whole).outside == -np.inf).all()
+
+
 def test_rows_at_the_teachers_ids_are_recorded_as_one_by_one() -> None:
     """Each row's own leading ids read from the teacher's slice equal a whole-row ranking,
     also where a leading token lies outside the slice, ties straddle it, or a logit is NaN."""
@@ -290,7 +317,9 @@ def test_two_models_compare_over_the_ids_both_kept(two_passes) -> None:
     from qdiff.compare.forced import kl_with_tail
 
     kl = kl_with_tail(with_probabilities(a), with_probabilities(b))
-    assert kl[w, t] == pytest.approx(by_hand, rel=1e-9)
+    # the recorded log-sum-exps take float32 exponentials outside the slice (within about
+    # 1e-7 of the tail's mass: slice_pass), by hand float64 throughout
+    assert kl[w, t] == pytest.approx(by_hand, rel=1e-7)
     assert got["kld"][0] < _llama_perplexity(base, other, tokens)["kld"][0]
     elsewhere = {**own, "window_tokens": np.ones((3, 8))}
     assert not against_reference_model({"x": elsewhere}, reference)["x"]["comparable"]
@@ -350,12 +379,12 @@ def test_the_recording_takes_the_cpus_the_process_may_run_on() -> None:
     """A job pinned to one CPU (as a cluster's share pins it) records with one worker."""
     code = (
         "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-        "from qdiff.core.forced import ForcedRecorder, recording_workers; "
-        "print(recording_workers(), ForcedRecorder(1, 1, 1).workers)"
+        "from qdiff.core.forced import ForcedRecorder; from qdiff.core.threads import workers; "
+        "print(workers(), ForcedRecorder(1, 1, 1).workers)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "1"]
-    assert 1 <= recording_workers() <= min(MAX_WORKERS, len(os.sched_getaffinity(0)))
+    assert 1 <= threads.workers() <= min(threads.MAX_WORKERS, len(os.sched_getaffinity(0)))
 
 
 def test_windows_recorded_beside_the_next_ones_scoring_are_recorded_alike(tiny_gguf) -> None:

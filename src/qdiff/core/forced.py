@@ -18,13 +18,14 @@ logits), 640 MiB per combination for the default experiment. Each position is ke
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
+
+from qdiff.core import threads
 
 ARRAY_NAMES = (
     "n_prompt_tokens",
@@ -112,25 +113,80 @@ def gather(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.take(rows.reshape(-1), flat)
 
 
-def leading_ids(rows: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
+class SlicePass(NamedTuple):
+    """What one pass over rows finds of each beside its slice of ids (``slice_pass``)."""
+
+    lse: np.ndarray  # the log-sum-exp over the whole row, float64
+    kept: np.ndarray  # the logits at the slice's ids (where an id is -1: the row's last)
+    outside: np.ndarray  # the largest logit outside the slice (-inf: none; NaN: a NaN there)
+
+
+# the rows of a block of slice_pass's buffer: about 1 MiB, so that the block's passes stay
+# within a core's cache when every worker takes one (float64 blocks of 16 rows, 6 MiB each
+# for SmolLM2, had made the recording bound by memory at 8 workers)
+BLOCK_BYTES = 2**20
+
+
+def slice_pass(rows: np.ndarray, ids: np.ndarray) -> SlicePass:
+    """Each row's log-sum-exp, its logits at its slice ``ids`` (a row each, distinct ids;
+    -1 pads) and its largest logit outside them, from one read of the rows, a block at a
+    time in a buffer that stays in cache. The slice's terms exp(x - max) are taken in
+    float64 and the others' in the rows' own type: for float32 rows (llama.cpp's) float32
+    exponentials of the float32 difference, as llama-perplexity's ``log_softmax`` takes
+    them, summed in float64: 1.45 times faster than float64 throughout on one core of a
+    2-core AMD EPYC (docs/results/bench-h200/recorder-ab.py). Since the slice holds the
+    teacher's leading tokens, the tail (1 - the slice's probabilities) is then the rest's
+    own sum, to well within 1e-7 of itself, not a total's rounding: the log-sum-exp is
+    float64's but for that share of the tail's mass (``tests/test_text.py``; 2.2e-9 at most
+    on a window of SmolLM2's width whose tails are about 0.2). Float64 rows (the exact
+    engine's) in float64 throughout."""
+    n_rows, width = rows.shape
+    lse, outside = np.empty(n_rows), np.empty(n_rows)
+    kept = np.empty(ids.shape, rows.dtype)
+    block = max(1, BLOCK_BYTES // (width * rows.itemsize))
+    buffer = np.empty((min(block, n_rows), width), rows.dtype)
+    for start in range(0, n_rows, block):
+        x = rows[start : start + block]
+        stop, terms, at = start + len(x), buffer[: len(x)], ids[start : start + block]
+        np.copyto(terms, x)
+        kept[start:stop] = gather(terms, at)
+        peak = terms.max(axis=1, keepdims=True)
+        _mask(terms, at)
+        outside[start:stop] = terms.max(axis=1)
+        terms -= peak
+        np.exp(terms, out=terms)
+        own = np.exp(kept[start:stop].astype(np.float64) - peak.astype(np.float64))
+        own = np.where(at >= 0, own, 0.0).sum(axis=1)
+        lse[start:stop] = peak[:, 0] + np.log(own + terms.sum(axis=1, dtype=np.float64))
+    return SlicePass(lse, kept, outside)
+
+
+def _mask(rows: np.ndarray, ids: np.ndarray) -> None:
+    """Set each row's logits at its slice ``ids`` (-1 pads) to -inf, in place."""
+    flat = ids + (np.arange(len(rows)) * rows.shape[-1])[:, None]
+    rows.reshape(-1)[flat[ids >= 0]] = -np.inf
+
+
+def leading_ids(
+    rows: np.ndarray, ids: np.ndarray, n: int, seen: SlicePass | None = None
+) -> np.ndarray:
     """``top_ids(row, n)`` of every row (shape (len(rows), n)), read from the row's logits at
-    ``ids`` (the teacher's slice of it, a row each; -1 pads) where every logit at or above
-    the slice's n-th largest lies in the slice, which one comparison pass over the rows
-    checks; the other rows are partitioned whole. A partition of each whole row costs about
-    as much as the row's log-sum-exp."""
+    ``ids`` (the teacher's slice of it, a row each, distinct ids; -1 pads) where the largest
+    logit outside the slice is below the slice's n-th largest (both from ``seen``, the
+    rows' ``slice_pass``, made here if not given); the other rows are partitioned whole. A
+    partition of each whole row costs about as much as the row's log-sum-exp."""
     n = min(n, rows.shape[-1])
     ids = ids[: len(rows)]
     if n > ids.shape[-1]:
         return np.array([top_ids(row, n) for row in rows], np.int32).reshape(len(rows), n)
-    kept = gather(rows, np.maximum(ids, 0))
+    seen = slice_pass(rows, ids) if seen is None else seen
+    kept = seen.kept
     part = np.argpartition(-kept, n - 1, axis=1)[:, :n]  # NaN last
     threshold = np.take_along_axis(kept, part[:, n - 1 : n], axis=1)  # the n-th largest
     inside = np.count_nonzero(kept >= threshold, axis=1)
-    # NaN compares false, ranks last; the few positions at or above, counted by row
-    above = np.flatnonzero(rows >= threshold)
-    whole = np.bincount(above // rows.shape[-1], minlength=len(rows))
-    # nothing outside the slice ranks, and the slice is whole
-    fast = (inside >= n) & (whole == inside) & (ids >= 0).all(axis=1)
+    # nothing outside the slice ranks (a NaN there fails this too: that row is taken
+    # whole), and the slice is whole
+    fast = (inside >= n) & (seen.outside < threshold[:, 0]) & (ids >= 0).all(axis=1)
     # where exactly n logits rank, they are the partition's first n: ranked all rows at once
     # (an order within numpy, not a loop of Python, so that workers share the rows)
     top, values = np.take_along_axis(ids, part, axis=1), np.take_along_axis(kept, part, axis=1)
@@ -146,6 +202,7 @@ def leading_ids(rows: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
 
 
 def log_sum_exp(logits: np.ndarray) -> float:
+    """Log-sum-exp of one row in float64 throughout (the reference definition)."""
     x = logits.astype(np.float64)
     peak = x.max()
     return float(peak + np.log(np.exp(x - peak).sum()))
@@ -164,22 +221,6 @@ def log_sum_exp_rows(rows: np.ndarray, block: int = 16) -> np.ndarray:
     return out
 
 
-# Each worker of ``add_rows`` holds a block of 16 rows in float64 (32 MiB for Gemma's
-# 262,144 logits): the cap bounds that memory on many-core machines.
-MAX_WORKERS = 8
-
-
-def recording_workers() -> int:
-    """The CPUs this process may run on (a SLURM job's share, or the machine's), at most
-    ``MAX_WORKERS``: a stage records its rows after llama.cpp has computed them, so the
-    job's cores are free then."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity call
-        cpus = os.cpu_count() or 1
-    return min(MAX_WORKERS, cpus)
-
-
 class ForcedRecorder:
     """Collects the compact per-position summaries of one combination's forced pass."""
 
@@ -195,9 +236,10 @@ class ForcedRecorder:
         """``dtype`` of the kept logits: float32 as llama.cpp computes them, float64 for the
         exact reference (qdiff.exact); ``n_top``: own leading tokens kept (at least 2);
         ``workers``: threads ``add_rows`` shares its rows among (default: the CPUs this
-        process may run on, at most ``MAX_WORKERS``)."""
+        process may run on, at most ``threads.MAX_WORKERS``: a stage records its rows after
+        llama.cpp has computed them, so the job's cores are free then)."""
         self.top_k, self.n_top = top_k, n_top
-        self.workers = max(1, workers if workers is not None else recording_workers())
+        self.workers = max(1, workers if workers is not None else threads.workers())
         shape = (n_prompts, max_len)
         self.arrays: dict[str, np.ndarray] = {
             "n_prompt_tokens": np.zeros(n_prompts, np.int32),
@@ -235,7 +277,10 @@ class ForcedRecorder:
         a = self.arrays
         a["slice_ids"][p, t, : len(ids)] = ids
         a["slice_logits"][p, t, : len(ids)] = logits[ids]
-        lse, hashed = known[:2] if known is not None else (log_sum_exp(logits), digest(logits))
+        if known is not None:
+            lse, hashed = known[:2]
+        else:
+            lse, hashed = float(slice_pass(logits[None], ids[None]).lse[0]), digest(logits)
         a["lse"][p, t] = lse
         lead = own[: self.n_top]
         a["top_ids"][p, t, : len(lead)] = lead
@@ -262,12 +307,14 @@ class ForcedRecorder:
                 ranked = [top_ids(row, self._own_ranked(None)) for row in part]
                 own = np.array(ranked, np.int32).reshape(len(part), -1)
                 kept = own[:, : self.top_k]
+                seen = slice_pass(part, kept)
             else:
-                own, kept = leading_ids(part, ids[lo:hi], self.n_top), ids[lo:hi]
-            lead = own[:, : self.n_top]
-            lse = log_sum_exp_rows(part)
+                kept = ids[lo:hi]
+                seen = slice_pass(part, kept)
+                own = leading_ids(part, kept, self.n_top, seen)
+            lead, lse = own[:, : self.n_top], seen.lse
             a["slice_ids"][p, lo:hi, : kept.shape[1]] = kept
-            a["slice_logits"][p, lo:hi, : kept.shape[1]] = gather(part, kept)
+            a["slice_logits"][p, lo:hi, : kept.shape[1]] = seen.kept
             a["lse"][p, lo:hi] = lse
             a["top_ids"][p, lo:hi, : lead.shape[1]] = lead
             a["top_logits"][p, lo:hi, : lead.shape[1]] = gather(part, lead)

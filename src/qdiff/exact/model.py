@@ -14,6 +14,7 @@ import numpy as np
 
 from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
+from qdiff.core.threads import in_shares, shared_rows
 from qdiff.exact import cuda, dequantize, vulkan
 from qdiff.exact.architectures import read_hparams
 from qdiff.exact.blocks import BLOCK_BYTES
@@ -72,9 +73,14 @@ class Weights:
         flat = rows.reshape(-1, rows.shape[-1])
         out = np.empty((len(flat), t.shape[0]), dtype=np.float64)
         step = max(1, DEQUANTIZE_VALUES // t.shape[0])
-        for start in range(0, len(flat), step):
-            chunk = flat[start : start + step]
-            out[start : start + step] = dequantize.float32(chunk, t.ggml_type, t.shape[0])
+
+        def convert(chunks: slice) -> None:  # ggml's conversion releases the GIL (ctypes)
+            for start in range(chunks.start * step, min(chunks.stop * step, len(flat)), step):
+                chunk = flat[start : start + step]
+                out[start : start + step] = dequantize.float32(chunk, t.ggml_type, t.shape[0])
+
+        # chunks of DEQUANTIZE_VALUES shared among threads: each holds one float32 chunk
+        in_shares(convert, -(-len(flat) // step), step * t.shape[0])
         return out.reshape(*rows.shape[:-1], t.shape[0])
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -110,7 +116,10 @@ class Weights:
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    def norm(rows: np.ndarray) -> np.ndarray:
+        return rows / np.sqrt(np.mean(rows * rows, axis=-1, keepdims=True) + eps) * weight
+
+    return shared_rows(norm, x)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -184,17 +193,24 @@ def _softmax_attention(
         # first cell then (a masked cell weighs an exact 0)
         first = seen[0] if weighted_sum is np.matmul else 0
         keys = slice(first, seen[-1] + 1) if seen.size else slice(0, masked.shape[1])
-        scores = how(qh[:, rows] @ kh[:, :, keys])  # (heads, queries, keys)
-        np.copyto(scores, -np.inf, where=masked[rows, keys])
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
+        scores = qh[:, rows] @ kh[:, :, keys]  # (heads, queries, keys)
+        mask = masked[rows, keys]
+
+        def softmax(heads: slice, scores: np.ndarray = scores, mask: np.ndarray = mask) -> None:
+            s = how(scores[heads])
+            np.copyto(s, -np.inf, where=mask)
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            scores[heads] = s
+
+        in_shares(softmax, len(scores), scores[0].size)  # element-wise: heads among threads
         out[rows] = weighted_sum(scores, vh[:, keys]).transpose(1, 0, 2)
     return out
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
+    return shared_rows(lambda rows: rows / (1.0 + np.exp(-rows)), x)
 
 
 @dataclass(frozen=True)
@@ -278,7 +294,7 @@ class ExactModel:
     def gelu(self, x: np.ndarray) -> np.ndarray:
         if self._roundings.gelu_table:
             return self.rounded(x, gelu_fp16_table)
-        return gelu_tanh(x)
+        return shared_rows(gelu_tanh, x)
 
     def linear(self, x: np.ndarray, name: str, bias: str | None = None) -> np.ndarray:
         """x @ Wᵀ (+ the bias where the file has one, as llama.cpp's loader takes it: the
@@ -381,7 +397,7 @@ class ExactModel:
             q = rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
             k = rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
         turn = self._rope_of(layer)
-        q, k = rope(q, positions, turn), rope(k, positions, turn)
+        q, k = (shared_rows(partial(rope, r=turn), x, positions) for x in (q, k))
         scale = hp.attn_scale
         if hp.arch.query_scale:  # Gemma and Phi-3 scale Q, llama the scores: float64 agrees
             q, scale = q * scale, 1.0
