@@ -2,15 +2,17 @@
 element-wise loops and reductions run on one thread (its BLAS products on all), but release
 the GIL, as ctypes does for ggml's conversions, so shares of rows on threads run at once.
 Every share computes what the whole would, row for row: the answers do not depend on the
-number of threads."""
+number of threads. The threads live only inside ``sharing()``: a process that keeps idle
+threads may not fork a worker (qdiff.jobs.can_fork)."""
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 
@@ -32,21 +34,38 @@ def workers() -> int:
     return min(MAX_WORKERS, cpus)
 
 
-@cache
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers(), thread_name_prefix="qdiff")
+# sharing()'s threads while its block runs, seen by the thread that opened it: a task on one
+# of them that shares again runs on its own thread, and never waits for a busy pool
+_open: ContextVar[ThreadPoolExecutor | None] = ContextVar("qdiff_sharing", default=None)
+
+
+@contextmanager
+def sharing() -> Iterator[None]:
+    """``workers()`` threads for ``in_shares`` while the block runs, all of them ended when
+    it ends; a block inside another's uses the outer one's threads."""
+    if _open.get() is not None:
+        yield
+        return
+    with ThreadPoolExecutor(workers(), thread_name_prefix="qdiff") as pool:
+        token = _open.set(pool)
+        try:
+            yield
+        finally:
+            _open.reset(token)
 
 
 def in_shares(task: Callable[[slice], object], n: int, row_values: int = 1) -> None:
     """``task(rows)`` for consecutive shares of ``range(n)`` that together cover it, on
-    ``workers()`` threads (on this one where there is one, or where the ``n`` rows of
-    ``row_values`` values each are too few to share); a task's exception is raised here."""
+    ``sharing()``'s threads (on this one outside ``sharing()``, where there is one CPU, or
+    where the ``n`` rows of ``row_values`` values each are too few to share); a task's
+    exception is raised here."""
     count = min(workers(), n, max(1, n * row_values // LEAST_VALUES))
-    if count <= 1:
+    pool = _open.get()
+    if count <= 1 or pool is None:
         task(slice(0, n))
         return
     cuts = np.linspace(0, n, count + 1).astype(int)
-    list(_pool().map(task, [slice(a, b) for a, b in itertools.pairwise(cuts)]))
+    list(pool.map(task, [slice(a, b) for a, b in itertools.pairwise(cuts)]))
 
 
 def shared_rows(f: Callable[..., np.ndarray], x: np.ndarray, *along: np.ndarray) -> np.ndarray:

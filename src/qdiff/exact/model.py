@@ -14,7 +14,7 @@ import numpy as np
 
 from qdiff.core.gguffile import GGUFFile
 from qdiff.core.roundings import NotEmulatedError, Roundings
-from qdiff.core.threads import in_shares, shared_rows
+from qdiff.core.threads import in_shares, shared_rows, sharing
 from qdiff.exact import cuda, dequantize, vulkan
 from qdiff.exact.architectures import read_hparams
 from qdiff.exact.blocks import BLOCK_BYTES
@@ -672,6 +672,10 @@ class ExactModel:
         """Each sequence's last layer's output (before the output norm), every sequence
         through one layer before the next, each from an empty context. Sequences go through
         a layer in batches of about BATCH_TOKENS rows: one read of a weight serves them all."""
+        with sharing():
+            return self._hidden(sequences)
+
+    def _hidden(self, sequences: list[list[int]]) -> list[np.ndarray]:
         hp, w = self.hp, self.weights
         xs = [w["token_embd.weight"][np.asarray(tokens)] for tokens in sequences]
         if hp.arch.embed_scale:
@@ -703,6 +707,10 @@ class ExactModel:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """The full vocabulary's logits of last-layer outputs ``x`` (rows of ``hidden``)."""
+        with sharing():
+            return self._logits(x)
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
         self.row_tokens = np.ones(len(x), dtype=int) if self.first_step_only else np.empty(0)
         x = rms_norm(x, self.weights["output_norm.weight"], self.hp.eps)
         logits = self.linear(x, self.output_name, bias="output.bias")  # tied or not
