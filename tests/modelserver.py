@@ -1,7 +1,7 @@
 """A real HTTP server on 127.0.0.1 that serves a model file, for tests: resumable ranges,
 redirects (one to a plain-http host elsewhere, with a signed query), 404s (and paths that
-answer 404 until they are fixed), transient 503s, dropped connections, a trickle that stalls
-and a body that never ends."""
+answer 404 until they are fixed), transient 503s, dropped connections, a trickle that stalls,
+a body that never ends and a body held back until the test lets it go."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class ModelServer(ThreadingHTTPServer):
         self.failures_left = 0  # requests to answer with 503
         self.trickle: tuple[int, float] | None = None  # (bytes, seconds) per write: a slow server
         self.gone: set[str] = set()  # paths that answer 404, until removed from here
+        self.hold: threading.Event | None = None  # if set here, bodies wait for it to be set
 
     @property
     def base(self) -> str:
@@ -109,6 +110,8 @@ class Handler(BaseHTTPRequestHandler):
     def _send(self, chunk: bytes) -> None:
         """The body: whole, as a trickle, or cut halfway (a dropped connection)."""
         server = self.server
+        if server.hold:  # a download that stays in its job for as long as the test needs
+            server.hold.wait()
         if server.trickle:
             size, pause = server.trickle
             for i in range(0, len(chunk), size):
@@ -136,5 +139,7 @@ def serving(payload: bytes) -> Iterator[ModelServer]:
     try:
         yield srv
     finally:
+        if srv.hold:
+            srv.hold.set()
         srv.shutdown()
         srv.server_close()

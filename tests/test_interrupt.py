@@ -4,16 +4,19 @@ no late writer can overwrite a newer result."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import Workspace, tiny_config
+from modelserver import ModelServer, serving
 from qdiff.jobs import Job
 
 pytestmark = pytest.mark.workflow
@@ -134,58 +137,108 @@ def test_a_late_writer_never_overwrites_a_newer_result(
     assert sorted(p.name for p in output.parent.iterdir()) == ["record.json"]
 
 
+def held_download(workspace: Workspace, tiny_gguf: Path, server: ModelServer) -> None:
+    """A 2-prompt workflow whose model comes from ``server``, with its body held back until
+    the test lets it go: the workflow that holds the lock cannot finish before another has
+    tried (a 30-prompt run once did, on a fast machine, and the other found nothing to do)."""
+    config = tiny_config(
+        tiny_gguf,
+        prompts=[{"id": f"p{i}", "text": f"Once upon a time {i}"} for i in range(2)],
+        generation={"n_tokens": 4, "n_ctx": 128},
+        teacher_forcing={"enabled": False},
+        capture={"enabled": False},
+        exact={"enabled": False},
+        download={"stall_window_s": 600},
+    )
+    config["models"]["tiny"] = {
+        "url": f"{server.base}/tiny.gguf",
+        "sha256": hashlib.sha256(tiny_gguf.read_bytes()).hexdigest(),
+    }
+    workspace.write_config(config)
+    server.hold = threading.Event()
+
+
 def test_a_second_workflow_in_the_same_directory_stops_before_any_job(
     workspace: Workspace, tiny_gguf: Path
 ) -> None:
     """Snakemake's own lock checks, then writes, so two workflows started at one instant can
     both pass it and run every job twice. qdiff's own lock (an flock, taken just before the
     first job) cannot be held twice: a second `snakemake` started while the first runs jobs,
-    even with --nolock, which skips Snakemake's lock, stops before any job; and of two
-    started at one instant, one runs and the other stops."""
-    prompts = [{"id": f"p{i}", "text": f"Once upon a time {i}"} for i in range(30)]
-    config = tiny_config(
-        tiny_gguf,
-        prompts=prompts,
-        generation={"n_tokens": 200, "n_ctx": 512},
-        teacher_forcing={"enabled": False},
-        capture={"enabled": False},
-        exact={"enabled": False},
-    )
-    del config["models"]["tiny"]["requantize"]
-    workspace.write_config(config)
-    first = subprocess.Popen(
-        workspace.command(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        logs = workspace.root / "results/logs/run"
-        while first.poll() is None and not (logs.exists() and any(logs.rglob("*.log"))):
-            time.sleep(0.05)  # until the first workflow runs a job
-        second = workspace.snakemake("--nolock", check=False)
-        assert second.returncode != 0
-        said = second.stdout + second.stderr
-        assert "another snakemake is running this workflow in" in said, said[-2000:]
-        assert "rule run_combination" not in said and "localrule" not in said
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    workspace.snakemake("--unlock")
-    quick = {**config, "prompts": prompts[:2], "generation": {"n_tokens": 4, "n_ctx": 128}}
-    workspace.write_config(quick)
-    for _ in range(3):  # at one instant
-        for leftover in ("results", ".snakemake"):
-            subprocess.run(["rm", "-rf", str(workspace.root / leftover)], check=True)
-        both = [
-            subprocess.Popen(
-                workspace.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    even with --nolock, which skips Snakemake's lock, stops before any job."""
+    with serving(tiny_gguf.read_bytes()) as server:
+        held_download(workspace, tiny_gguf, server)
+        first = subprocess.Popen(
+            workspace.command(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            while first.poll() is None and not server.requests:
+                time.sleep(0.05)  # until the first workflow runs its download
+            second = subprocess.Popen(
+                workspace.command("--nolock"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
             )
-            for _ in range(2)
-        ]
-        codes = sorted(p.wait(timeout=600) for p in both)
-        outputs = [p.stdout.read() for p in both if p.stdout]
-        assert codes[0] == 0 and codes[1] != 0, outputs
-        records = list((workspace.root / "results/runs").rglob("record.json"))
-        assert len(records) == 4
-        assert all(json.loads(r.read_text())["status"] == "ok" for r in records)
+            try:
+                said = second.communicate(timeout=120)[0]
+            except subprocess.TimeoutExpired:
+                os.killpg(second.pid, signal.SIGKILL)
+                pytest.fail("the second workflow ran a job (it waited in the held download)")
+            assert first.poll() is None, "the first workflow ended before the second ran"
+            assert second.returncode != 0, said[-2000:]
+            assert "another snakemake is running this workflow in" in said, said[-2000:]
+            assert "rule " not in said and "localrule" not in said
+            assert len(server.requests) == 1  # the second fetched nothing
+        finally:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+
+
+def test_of_two_workflows_started_at_one_instant_one_runs(
+    workspace: Workspace, tiny_gguf: Path
+) -> None:
+    """Of two `snakemake`s started at one instant in one directory, one runs every job once and
+    the other stops at a lock: Snakemake's, or qdiff's where both passed Snakemake's."""
+    with serving(tiny_gguf.read_bytes()) as server:
+        for _ in range(3):
+            for leftover in ("results", "resources", ".snakemake"):
+                subprocess.run(["rm", "-rf", str(workspace.root / leftover)], check=True)
+            held_download(workspace, tiny_gguf, server)
+            server.requests.clear()
+            both = [
+                subprocess.Popen(
+                    workspace.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+                for _ in range(2)
+            ]
+            stopped = first_to_end(both, timeout_s=300)  # the other waits in its download
+            assert server.hold
+            server.hold.set()
+            ran = next(p for p in both if p is not stopped)
+            said = stopped.communicate()[0]
+            assert stopped.returncode != 0, said
+            locks = ("another snakemake is running this workflow in", "cannot be locked")
+            assert any(lock in said for lock in locks), said
+            ran_said = ran.communicate(timeout=600)[0]
+            assert ran.returncode == 0, ran_said
+            assert len(server.requests) == 1
+            records = list((workspace.root / "results/runs").rglob("record.json"))
+            assert len(records) == 4
+            assert all(json.loads(r.read_text())["status"] == "ok" for r in records)
+
+
+def first_to_end(procs: list[subprocess.Popen[str]], timeout_s: float) -> subprocess.Popen[str]:
+    """The first of ``procs`` to end; fails the test if none has within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                return proc
+        time.sleep(0.05)
+    for proc in procs:
+        proc.kill()
+    pytest.fail(f"neither workflow ended in {timeout_s:g} s: both ran their jobs")
