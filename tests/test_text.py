@@ -222,6 +222,10 @@ def test_a_slices_log_sum_exp_is_float64s_to_its_tails_own_precision() -> None:
         assert (np.abs(lse - exact) <= 1e-7 * tail + 1e-13).all(), (width, k)
         assert np.array_equal(largest, outside.max(axis=1))
         assert np.array_equal(kept, np.take_along_axis(rows, ids, axis=1))  # -1: the last
+        # each row alone: the rows after the short slice, in blocks that start elsewhere
+        assert all(
+            map(np.array_equal, slice_pass(rows[4:], ids[4:]), (lse[4:], kept[4:], largest[4:]))
+        )
         in_float64 = slice_pass(rows.astype(np.float64), ids).lse
         assert np.abs(in_float64 - exact).max() < 1e-13
     whole = np.stack([np.arange(300)] * 2)  # the slice holds the row: nothing outside

@@ -105,12 +105,15 @@ def top_ids(logits: np.ndarray, k: int) -> np.ndarray:
 def gather(rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """``rows[t][ids[t]]`` of every row t (a negative id counts from the row's end, as
     indexing counts it), by one take over the flat rows."""
-    width = rows.shape[-1]
-    ids = np.asarray(ids)
+    return np.take(rows.reshape(-1), flat_places(np.asarray(ids), rows.shape[-1]))
+
+
+def flat_places(ids: np.ndarray, width: int) -> np.ndarray:
+    """Where ``ids`` (a row each) lie in rows of ``width`` laid end to end (a negative id
+    counts from its row's end)."""
     if ids.size and (ids.min() < -width or ids.max() >= width):
         raise IndexError(f"token ids outside a vocabulary of {width}")
-    flat = ids % width + (np.arange(len(rows)) * width)[:, None]
-    return np.take(rows.reshape(-1), flat)
+    return ids % width + (np.arange(len(ids)) * width)[:, None]
 
 
 class SlicePass(NamedTuple):
@@ -141,30 +144,36 @@ def slice_pass(rows: np.ndarray, ids: np.ndarray) -> SlicePass:
     on a window of SmolLM2's width whose tails are about 0.2). Float64 rows (the exact
     engine's) in float64 throughout."""
     n_rows, width = rows.shape
-    lse, outside = np.empty(n_rows), np.empty(n_rows)
+    peak, outside, rest = np.empty(n_rows, rows.dtype), np.empty(n_rows), np.empty(n_rows)
     kept = np.empty(ids.shape, rows.dtype)
     block = max(1, BLOCK_BYTES // (width * rows.itemsize))
+    # Between its numpy calls a block holds the GIL, which the workers share: what concerns
+    # the slice alone is worked out once for all rows, not block by block. ``at``: each
+    # id's place in its block's flat buffer; the slice's places (its ids but the -1 pads)
+    # come row by row, so a block's are one run of them
+    inside = ids >= 0
+    at = flat_places(ids, width) - (np.arange(n_rows) // block * block * width)[:, None]
+    whole = bool(inside.all())
+    places = at.reshape(-1) if whole else at[inside]
+    starts = np.arange(0, n_rows, block)
+    runs = np.append(0, np.cumsum(inside.sum(axis=1)))[np.append(starts, n_rows)]
     buffer = np.empty((min(block, n_rows), width), rows.dtype)
-    for start in range(0, n_rows, block):
-        x = rows[start : start + block]
-        stop, terms, at = start + len(x), buffer[: len(x)], ids[start : start + block]
-        np.copyto(terms, x)
-        kept[start:stop] = gather(terms, at)
-        peak = terms.max(axis=1, keepdims=True)
-        _mask(terms, at)
+    for b, start in enumerate(starts.tolist()):
+        stop = min(start + block, n_rows)
+        terms = buffer[: stop - start]
+        np.copyto(terms, rows[start:stop])
+        # the places lie in the buffer: "clip" spares the copy a checked take makes of out
+        np.take(terms.reshape(-1), at[start:stop], out=kept[start:stop], mode="clip")
+        np.max(terms, axis=1, out=peak[start:stop])
+        terms.reshape(-1)[places[runs[b] : runs[b + 1]]] = -np.inf
         outside[start:stop] = terms.max(axis=1)
-        terms -= peak
+        terms -= peak[start:stop, None]
         np.exp(terms, out=terms)
-        own = np.exp(kept[start:stop].astype(np.float64) - peak.astype(np.float64))
-        own = np.where(at >= 0, own, 0.0).sum(axis=1)
-        lse[start:stop] = peak[:, 0] + np.log(own + terms.sum(axis=1, dtype=np.float64))
+        terms.sum(axis=1, dtype=np.float64, out=rest[start:stop])
+    own = np.exp(kept.astype(np.float64) - peak.astype(np.float64)[:, None])
+    own = (own if whole else np.where(inside, own, 0.0)).sum(axis=1)
+    lse = peak + np.log(own + rest)
     return SlicePass(lse, kept, outside)
-
-
-def _mask(rows: np.ndarray, ids: np.ndarray) -> None:
-    """Set each row's logits at its slice ``ids`` (-1 pads) to -inf, in place."""
-    flat = ids + (np.arange(len(rows)) * rows.shape[-1])[:, None]
-    rows.reshape(-1)[flat[ids >= 0]] = -np.inf
 
 
 def leading_ids(
