@@ -211,7 +211,11 @@ def test_of_two_workflows_started_at_one_instant_one_runs(
             server.requests.clear()
             both = [
                 subprocess.Popen(
-                    workspace.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                    workspace.command(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,  # so that a failure ends its jobs too
                 )
                 for _ in range(2)
             ]
@@ -240,5 +244,5 @@ def first_to_end(procs: list[subprocess.Popen[str]], timeout_s: float) -> subpro
                 return proc
         time.sleep(0.05)
     for proc in procs:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail(f"neither workflow ended in {timeout_s:g} s: both ran their jobs")

@@ -153,7 +153,7 @@ def slice_pass(rows: np.ndarray, ids: np.ndarray) -> SlicePass:
     # come row by row, so a block's are one run of them
     inside = ids >= 0
     at = flat_places(ids, width) - (np.arange(n_rows) // block * block * width)[:, None]
-    whole = bool(inside.all())
+    whole = bool(inside.all())  # no pads (the usual case): a view, not a boolean index's copy
     places = at.reshape(-1) if whole else at[inside]
     starts = np.arange(0, n_rows, block)
     runs = np.append(0, np.cumsum(inside.sum(axis=1)))[np.append(starts, n_rows)]
