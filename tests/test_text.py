@@ -423,6 +423,31 @@ def test_windows_recorded_beside_the_next_ones_scoring_are_recorded_alike(tiny_g
     assert np.isfinite(passes[False, True]["lse"]).all()
 
 
+def test_a_window_of_one_batch_is_read_in_place_and_holds_what_a_copy_holds(tiny_gguf) -> None:
+    """llama.cpp's output buffer, read in place where a window is one batch (as
+    llama-perplexity reads it), holds what a copy of it holds, in the model's own context and
+    in a spare one; a window of several batches is copied batch by batch, every row of it."""
+    from qdiff.core.settings import DeviceSettings
+    from qdiff.engine.log import init_backend
+    from qdiff.engine.model import LoadedModel
+
+    log = init_backend()  # kept while llama.cpp runs
+    window = list(range(3, 35))
+    with LoadedModel(tiny_gguf, DeviceSettings(backend="cpu", threads=1), 32) as model:
+        copied = model.score(window, 16, np.empty((16, model.n_vocab), np.float32))
+        seen = model.score(window, 16)
+        assert not seen.flags.owndata and not seen.flags.writeable
+        np.testing.assert_array_equal(seen, copied)
+        with model.spare_context() as spare:
+            np.testing.assert_array_equal(model.score(window, 16, context=spare), copied)
+    settings = DeviceSettings(backend="cpu", threads=1, n_batch=8, n_ubatch=8)
+    with LoadedModel(tiny_gguf, settings, 32) as model:
+        batched = model.score(window, 16)
+    del log
+    assert batched.flags.owndata and batched.shape == copied.shape
+    assert np.isfinite(batched).all()
+
+
 def test_leading_ids_rank_as_whole_rows_do_among_many_ties() -> None:
     """Rows of few distinct logits (ties at every rank, at the n-th place too), some NaN, some
     slices cut short: the slice's ranking, row by row, is the whole row's."""

@@ -102,7 +102,9 @@ def full_vocabulary(
     for name in ("dequant-f32.gguf", "gguf"):
         path = work / "resources/models" / f"{model}.{name}"
         with LoadedModel(path, device, int(windows.shape[1])) as loaded:
-            rows[name] = [loaded.score(list(w), len(split(list(w))[0]) - 1)[:-1] for w in windows]
+            rows[name] = [
+                loaded.score(list(w), len(split(list(w))[0]) - 1)[:-1].copy() for w in windows
+            ]
             bos = loaded.bos_added()
     kld, same_bits = [], True
     bounds: dict[int, list[float]] = {k: [] for k in KEPT}

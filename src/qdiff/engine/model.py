@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -325,18 +326,41 @@ class LoadedModel:
                 logits = self._last_logits()
         return time.perf_counter() - start
 
-    def score(self, tokens: list[int], first: int, out: np.ndarray | None = None) -> np.ndarray:
+    @contextmanager
+    def spare_context(self) -> Iterator[Any]:
+        """A second context like this model's own (the device's settings, one sequence of
+        ``n_ctx`` cells), freed on leaving: one window's logits stay in its output buffer
+        while the next window is scored in the other (``score``'s ``context``)."""
+        ctx = self.new_context(self.device, self.n_ctx, 1, kv_unified=False)
+        try:
+            yield ctx
+        finally:
+            llama_cpp.llama_free(ctx)
+
+    def score(
+        self,
+        tokens: list[int],
+        first: int,
+        out: np.ndarray | None = None,
+        context: Any = None,
+    ) -> np.ndarray:
         """Decode ``tokens`` from an empty cache in batches of ``n_batch``, as llama-perplexity
         decodes a window, asking for the logits of positions ``first`` onward alone: their
-        rows (len(tokens) - first, n_vocab), copied into ``out``'s first rows where given (a
-        buffer used again spares a fresh one's page faults)."""
+        rows (len(tokens) - first, n_vocab). Where the window is one batch and no ``out`` is
+        given, the rows are llama.cpp's own output buffer, read in place as llama-perplexity
+        reads it (perplexity.cpp copies no logits): read-only, and valid only until
+        ``context`` decodes again. Otherwise they are copied into ``out``'s first rows (a
+        buffer used again spares a fresh one's page faults), or into a new array.
+        ``context``: the llama_context to decode in (``spare_context``'s; default this
+        model's own)."""
         self._check_context(len(tokens), 0, "tokens")
-        n_rows = len(tokens) - first
-        if out is None:
-            out = np.empty((n_rows, self.n_vocab), np.float32)
-        out = out[:n_rows]
-        self.clear()
+        ctx = self._ctx if context is None else context
         n_batch = self.device.n_batch
+        n_rows = len(tokens) - first
+        in_place = out is None and len(tokens) <= n_batch and n_rows > 0
+        if not in_place:
+            out = np.empty((n_rows, self.n_vocab), np.float32) if out is None else out[:n_rows]
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         try:
             # one sequence throughout: its ids once, the tokens, positions and output flags
@@ -354,18 +378,23 @@ class LoadedModel:
                 positions[: len(chunk)] = np.arange(start, start + len(chunk))
                 wanted[: len(chunk)] = positions[: len(chunk)] >= first
                 batch.n_tokens = len(chunk)
-                rc = llama_cpp.llama_decode(self._ctx, batch)
+                rc = llama_cpp.llama_decode(ctx, batch)
                 if rc != 0:
                     raise RuntimeError(f"llama_decode failed with code {rc}")
                 n_out = int(np.count_nonzero(wanted[: len(chunk)]))
                 if n_out:
-                    pointer = llama_cpp.llama_get_logits(self._ctx)  # waits for the device
+                    pointer = llama_cpp.llama_get_logits(ctx)  # waits for the device
                     logits = np.ctypeslib.as_array(pointer, shape=(n_out, self.n_vocab))
+                    if in_place:
+                        logits.flags.writeable = False
+                        return logits
+                    assert out is not None
                     out[done : done + n_out] = logits
                     done += n_out
         finally:
             llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_synchronize(self._ctx)
+        llama_cpp.llama_synchronize(ctx)
+        assert out is not None
         return out
 
     def _check_context(self, n_prompt: int, n_more: int, what: str) -> None:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -480,17 +481,25 @@ def score_windows(
     behind the scoring; on the CPU the two would share its cores, so each window is recorded
     before the next is scored."""
     overlap = loaded.device.on_gpu if overlap is None else overlap
-    # the logits of one window (two while one is recorded and the next scored), each buffer
-    # used again: fresh ones would cost their page faults window after window
+    turns = 1 + overlap  # windows whose logits are held at once: one recorded, one scored
     n_rows = len(cut[0]) - len(split(cut[0])[0]) + 1 if cut else 0
-    buffers = [np.empty((n_rows, loaded.n_vocab), np.float32) for _ in range(1 + overlap)]
-    with ThreadPoolExecutor(1) as recording:
+    with ExitStack() as held, ThreadPoolExecutor(1) as recording:
+        if cut and len(cut[0]) <= loaded.device.n_batch:
+            # a window is one batch: its logits are read in llama.cpp's output buffer, as
+            # llama-perplexity reads them, and a second context scores the next window
+            where: list[dict[str, Any]] = [{"context": None}] + [
+                {"context": held.enter_context(loaded.spare_context())} for _ in range(1, turns)
+            ]
+        else:
+            # copied out batch by batch into buffers used again: fresh ones would cost their
+            # page faults window after window
+            where = [{"out": np.empty((n_rows, loaded.n_vocab), np.float32)} for _ in range(turns)]
         pending: Future[None] | None = None
         for w, window in enumerate(cut):
             head, forced = split(window)
             # the whole window, its last position's logits too, as llama-perplexity asks for
             # them: the same batch and output sizes, so the same kernels
-            logits = loaded.score(window, len(head) - 1, buffers[w % len(buffers)])
+            logits = loaded.score(window, len(head) - 1, **where[w % turns])
             logits = logits[: len(forced)]
             scored(w)
             if pending is not None:
