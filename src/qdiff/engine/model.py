@@ -355,11 +355,25 @@ class LoadedModel:
         model's own)."""
         self._check_context(len(tokens), 0, "tokens")
         ctx = self._ctx if context is None else context
-        n_batch = self.device.n_batch
         n_rows = len(tokens) - first
-        in_place = out is None and len(tokens) <= n_batch and n_rows > 0
-        if not in_place:
-            out = np.empty((n_rows, self.n_vocab), np.float32) if out is None else out[:n_rows]
+        batches = self._decoded_rows(ctx, tokens, first)
+        if out is None and len(tokens) <= self.device.n_batch and n_rows > 0:
+            (rows,) = batches  # the one batch's rows; running the generator out frees the batch
+            rows.flags.writeable = False
+            return rows
+        out = np.empty((n_rows, self.n_vocab), np.float32) if out is None else out[:n_rows]
+        done = 0  # rows copied
+        for rows in batches:
+            out[done : done + len(rows)] = rows
+            done += len(rows)
+        llama_cpp.llama_synchronize(ctx)
+        return out
+
+    def _decoded_rows(self, ctx: Any, tokens: list[int], first: int) -> Iterator[np.ndarray]:
+        """Decode ``tokens`` in ``ctx`` from an empty cache, batch by batch; after each batch
+        that outputs any, its rows of logits (positions ``first`` onward) as a view of
+        llama.cpp's output buffer, which the next decode overwrites."""
+        n_batch = self.device.n_batch
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
         batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         try:
@@ -371,7 +385,6 @@ class LoadedModel:
             ids = np.ctypeslib.as_array(batch.token, shape=(n_batch,))
             positions = np.ctypeslib.as_array(batch.pos, shape=(n_batch,))
             wanted = np.ctypeslib.as_array(batch.logits, shape=(n_batch,))
-            done = 0  # rows copied
             for start in range(0, len(tokens), n_batch):
                 chunk = tokens[start : start + n_batch]
                 ids[: len(chunk)] = chunk
@@ -384,18 +397,9 @@ class LoadedModel:
                 n_out = int(np.count_nonzero(wanted[: len(chunk)]))
                 if n_out:
                     pointer = llama_cpp.llama_get_logits(ctx)  # waits for the device
-                    logits = np.ctypeslib.as_array(pointer, shape=(n_out, self.n_vocab))
-                    if in_place:
-                        logits.flags.writeable = False
-                        return logits
-                    assert out is not None
-                    out[done : done + n_out] = logits
-                    done += n_out
+                    yield np.ctypeslib.as_array(pointer, shape=(n_out, self.n_vocab))
         finally:
             llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_synchronize(ctx)
-        assert out is not None
-        return out
 
     def _check_context(self, n_prompt: int, n_more: int, what: str) -> None:
         if n_prompt + n_more > self.n_ctx:

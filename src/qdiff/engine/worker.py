@@ -482,7 +482,6 @@ def score_windows(
     before the next is scored."""
     overlap = loaded.device.on_gpu if overlap is None else overlap
     turns = 1 + overlap  # windows whose logits are held at once: one recorded, one scored
-    n_rows = len(cut[0]) - len(split(cut[0])[0]) + 1 if cut else 0
     with ExitStack() as held, ThreadPoolExecutor(1) as recording:
         if cut and len(cut[0]) <= loaded.device.n_batch:
             # a window is one batch: its logits are read in llama.cpp's output buffer, as
@@ -492,7 +491,8 @@ def score_windows(
             ]
         else:
             # copied out batch by batch into buffers used again: fresh ones would cost their
-            # page faults window after window
+            # page faults window after window (a window's rows: its head's last position onward)
+            n_rows = len(cut[0]) - len(split(cut[0])[0]) + 1 if cut else 0
             where = [{"out": np.empty((n_rows, loaded.n_vocab), np.float32)} for _ in range(turns)]
         pending: Future[None] | None = None
         for w, window in enumerate(cut):
