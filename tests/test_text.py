@@ -226,6 +226,10 @@ def test_a_slices_log_sum_exp_is_float64s_to_its_tails_own_precision() -> None:
         assert all(
             map(np.array_equal, slice_pass(rows[4:], ids[4:]), (lse[4:], kept[4:], largest[4:]))
         )
+        # any block size, one row to all of them a block (add_rows sizes them by workers)
+        for block_bytes in (1, 2**20, 8 * 2**20, rows.nbytes):
+            again = slice_pass(rows, ids, block_bytes)
+            assert all(map(np.array_equal, again, (lse, kept, largest))), block_bytes
         in_float64 = slice_pass(rows.astype(np.float64), ids).lse
         assert np.abs(in_float64 - exact).max() < 1e-13
     whole = np.stack([np.arange(300)] * 2)  # the slice holds the row: nothing outside

@@ -22,6 +22,7 @@ from qdiff.core.forced import ARRAY_NAMES, ForcedRecorder
 from qdiff.core.settings import DeviceSettings
 from qdiff.core.text import LEADING_KEPT, split, windows
 from qdiff.engine import worker
+from qdiff.engine.devices import backend_devices, devices_for_backend
 from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
 
@@ -36,7 +37,10 @@ else:  # find_spec, not import: the plugin's __init__ imports the `llm` tool, le
 text = Path("resources/texts/macbeth.txt").read_text()
 threads = len(os.sched_getaffinity(0))
 log = init_backend()
-with LoadedModel(model, DeviceSettings(backend=backend, threads=threads), 512) as loaded:
+settings = DeviceSettings(backend=backend, threads=threads)
+# a GPU run names its device, as the stage's job picks it (bench.py's gpu_of)
+gpu = devices_for_backend(backend, backend_devices())[0].handle if settings.on_gpu else None
+with LoadedModel(model, settings, 512, gpu) as loaded:
     cut = windows(loaded.tokenize(text, parse_special=False), 512, 8, loaded.bos_added())
     first = len(split(cut[0])[0]) - 1
     buffer = np.empty((len(cut[0]) - first, loaded.n_vocab), np.float32)

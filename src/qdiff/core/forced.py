@@ -124,16 +124,19 @@ class SlicePass(NamedTuple):
     outside: np.ndarray  # the largest logit outside the slice (-inf: none; NaN: a NaN there)
 
 
-# the rows of a block of slice_pass's buffer: about 1 MiB, so that the block's passes stay
-# within a core's cache when every worker takes one (float64 blocks of 16 rows, 6 MiB each
-# for SmolLM2, had made the recording bound by memory at 8 workers)
+# slice_pass's buffer, a block of rows: BLOCK_BYTES for each worker that records at once.
+# Few workers want small blocks, which stay in a core's cache (on one and two workers 1 MiB
+# was faster than 8 MiB on the 2-core AMD EPYC and on the lent H100's 16 CPUs); many want
+# large ones, as a block hands the GIL over between its numpy calls and fewer blocks hand
+# it over less often (8 workers there: add_rows 13.7 ms a window with 8 MiB blocks against
+# 18.5 ms with 1 MiB; docs/results/bench-h200/recorder-blocks-4b28393-h100.log)
 BLOCK_BYTES = 2**20
 
 
-def slice_pass(rows: np.ndarray, ids: np.ndarray) -> SlicePass:
+def slice_pass(rows: np.ndarray, ids: np.ndarray, block_bytes: int = BLOCK_BYTES) -> SlicePass:
     """Each row's log-sum-exp, its logits at its slice ``ids`` (a row each, distinct ids;
-    -1 pads) and its largest logit outside them, from one read of the rows, a block at a
-    time in a buffer that stays in cache. The slice's terms exp(x - max) are taken in
+    -1 pads) and its largest logit outside them, from one read of the rows, a block of
+    about ``block_bytes`` at a time in a buffer that stays in cache. The slice's terms exp(x - max) are taken in
     float64 and the others' in the rows' own type: for float32 rows (llama.cpp's) float32
     exponentials of the float32 difference, as llama-perplexity's ``log_softmax`` takes
     them, summed in float64: 1.45 times faster than float64 throughout on one core of a
@@ -146,7 +149,7 @@ def slice_pass(rows: np.ndarray, ids: np.ndarray) -> SlicePass:
     n_rows, width = rows.shape
     peak, outside, rest = np.empty(n_rows, rows.dtype), np.empty(n_rows), np.empty(n_rows)
     kept = np.empty(ids.shape, rows.dtype)
-    block = max(1, BLOCK_BYTES // (width * rows.itemsize))
+    block = max(1, block_bytes // (width * rows.itemsize))
     # Between its numpy calls a block holds the GIL, which the workers share: what concerns
     # the slice alone is worked out once for all rows, not block by block. ``at``: each
     # id's place in its block's flat buffer; the slice's places (its ids but the -1 pads)
@@ -310,16 +313,20 @@ class ForcedRecorder:
         # a row's log-sum-exp, digest and own leading ids are all of its work over the whole
         # vocabulary: each worker records a share of the rows (numpy's loops and hashing
         # release the GIL), as llama-perplexity shares its positions among threads
+        shares = np.linspace(0, len(rows), min(self.workers, len(rows)) + 1).astype(int)
+        n_workers = max(1, len(shares) - 1)
+        block_bytes = BLOCK_BYTES * n_workers
+
         def record(lo: int, hi: int) -> None:
             part, a = rows[lo:hi], self.arrays
             if ids is None:
                 ranked = [top_ids(row, self._own_ranked(None)) for row in part]
                 own = np.array(ranked, np.int32).reshape(len(part), -1)
                 kept = own[:, : self.top_k]
-                seen = slice_pass(part, kept)
+                seen = slice_pass(part, kept, block_bytes)
             else:
                 kept = ids[lo:hi]
-                seen = slice_pass(part, kept)
+                seen = slice_pass(part, kept, block_bytes)
                 own = leading_ids(part, kept, self.n_top, seen)
             lead, lse = own[:, : self.n_top], seen.lse
             a["slice_ids"][p, lo:hi, : kept.shape[1]] = kept
@@ -331,7 +338,6 @@ class ForcedRecorder:
             forced = gather(part, a["tokens"][p, lo:hi, None])[:, 0]
             a["forced_logprob"][p, lo:hi] = forced.astype(np.float64) - lse
 
-        shares = np.linspace(0, len(rows), min(self.workers, len(rows)) + 1).astype(int)
-        with ThreadPoolExecutor(max(1, len(shares) - 1)) as pool:
+        with ThreadPoolExecutor(n_workers) as pool:
             # list(): a worker's exception is raised here
             list(pool.map(record, shares[:-1], shares[1:]))
