@@ -125,11 +125,11 @@ class SlicePass(NamedTuple):
 
 
 # slice_pass's buffer, a block of rows: BLOCK_BYTES for each worker that records at once.
-# Few workers want small blocks, which stay in a core's cache (on one and two workers 1 MiB
-# was faster than 8 MiB on the 2-core AMD EPYC and on the lent H100's 16 CPUs); many want
-# large ones, as a block hands the GIL over between its numpy calls and fewer blocks hand
-# it over less often (8 workers there: add_rows 13.7 ms a window with 8 MiB blocks against
-# 18.5 ms with 1 MiB; docs/results/bench-h200/recorder-blocks-4b28393-h100.log)
+# Small blocks stay in a core's cache; many workers gained from large ones, which make
+# fewer numpy calls between which the GIL changes hands (the cause was not measured): on
+# the lent H100's 16 CPUs at 8 workers add_rows took 13.7-14.2 ms a window with 8 MiB blocks
+# against 17.2-18.5 with 1 MiB, and on one and two workers 1 MiB was as fast or faster
+# (docs/results/bench-h200/recorder-blocks-4b28393-h100.log, CPython's 5 ms switch interval)
 BLOCK_BYTES = 2**20
 
 
