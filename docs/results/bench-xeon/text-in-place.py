@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path("benchmarks").resolve()))
+from bench import gpu_of
+
 from qdiff.core.forced import ARRAY_NAMES, ForcedRecorder
 from qdiff.core.settings import DeviceSettings
 from qdiff.core.text import LEADING_KEPT, split, windows
 from qdiff.engine import worker
-from qdiff.engine.devices import backend_devices, devices_for_backend
 from qdiff.engine.log import init_backend
 from qdiff.engine.model import LoadedModel
 
@@ -38,9 +40,7 @@ text = Path("resources/texts/macbeth.txt").read_text()
 threads = len(os.sched_getaffinity(0))
 log = init_backend()
 settings = DeviceSettings(backend=backend, threads=threads)
-# a GPU run names its device, as the stage's job picks it (bench.py's gpu_of)
-gpu = devices_for_backend(backend, backend_devices())[0].handle if settings.on_gpu else None
-with LoadedModel(model, settings, 512, gpu) as loaded:
+with LoadedModel(model, settings, 512, gpu_of(settings)) as loaded:
     cut = windows(loaded.tokenize(text, parse_special=False), 512, 8, loaded.bos_added())
     first = len(split(cut[0])[0]) - 1
     buffer = np.empty((len(cut[0]) - first, loaded.n_vocab), np.float32)

@@ -136,10 +136,10 @@ BLOCK_BYTES = 2**20
 def slice_pass(rows: np.ndarray, ids: np.ndarray, block_bytes: int = BLOCK_BYTES) -> SlicePass:
     """Each row's log-sum-exp, its logits at its slice ``ids`` (a row each, distinct ids;
     -1 pads) and its largest logit outside them, from one read of the rows, a block of
-    about ``block_bytes`` at a time in a buffer that stays in cache. The slice's terms exp(x - max) are taken in
-    float64 and the others' in the rows' own type: for float32 rows (llama.cpp's) float32
-    exponentials of the float32 difference, as llama-perplexity's ``log_softmax`` takes
-    them, summed in float64: 1.45 times faster than float64 throughout on one core of a
+    about ``block_bytes`` at a time in a buffer that stays in cache. The slice's terms
+    exp(x - max) are taken in float64 and the others' in the rows' own type: for float32
+    rows (llama.cpp's) float32 exponentials of the float32 difference, as
+    llama-perplexity's ``log_softmax`` takes them, summed in float64: 1.45 times faster than float64 throughout on one core of a
     2-core AMD EPYC (docs/results/bench-h200/recorder-ab.py). Since the slice holds the
     teacher's leading tokens, the tail (1 - the slice's probabilities) is then the rest's
     own sum, to well within 1e-7 of itself, not a total's rounding: the log-sum-exp is
