@@ -167,41 +167,70 @@ def inference_floor(workdir: Path) -> float:
     return total
 
 
+TEXT_REPEATS = 3  # times each run is timed
+
+
+def fastest_of(runs: dict[Any, Callable[[], float]]) -> dict[Any, float]:
+    """The fastest of ``TEXT_REPEATS`` timings of every run (each returns its seconds), the
+    runs in turn: on a shared machine noise only adds time."""
+    fastest = dict.fromkeys(runs, float("inf"))
+    for _ in range(TEXT_REPEATS):
+        for key, run in runs.items():
+            fastest[key] = min(fastest[key], run())
+    return fastest
+
+
+def window_seconds(first: float, whole: float, n: int) -> float:
+    """Seconds a window over windows 2 .. n, from a pass over n windows (``whole``) and one
+    over the first alone (``first``): what a longer text costs a window, without the
+    one-off costs of a pass (a fresh process's first window; the last window's recording,
+    which no scoring hides)."""
+    return (whole - first) / (n - 1)
+
+
 def _time_windows(
     loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: dict[str, float]
 ) -> None:
     """Score the windows bare and as the stage does (``score_windows``, which on a GPU
-    records a window while the next is scored), ``TEXT_REPEATS`` times each way in turn, and
-    add the fastest of each way: on a shared machine noise only adds time."""
+    records a window while the next is scored), each way over all of them and over the
+    first alone, and add the seconds of windows 2 .. n (``window_seconds``) and of the whole
+    passes (``*_pass``) to ``took``."""
     from qdiff.core.forced import ForcedRecorder
     from qdiff.core.text import LEADING_KEPT, split
     from qdiff.engine.worker import score_windows
 
     recorder = ForcedRecorder(len(cut), len(split(cut[0])[1]), top_k, n_top=LEADING_KEPT)
-    fastest = {"bare": float("inf"), "stage": float("inf")}
-    for r in range(2 * TEXT_REPEATS):
-        way = ("bare", "stage")[r % 2]
+
+    def bare(k: int) -> float:
         start = time.perf_counter()
-        if way == "bare":
-            for window in cut:
-                loaded.score(window, len(split(window)[0]) - 1)
-        else:
-            score_windows(loaded, recorder, cut, ids)
-        fastest[way] = min(fastest[way], time.perf_counter() - start)
-    took["bare"] += fastest["bare"]
-    took["stage"] += fastest["stage"]
-    took["windows"] += len(cut)
+        for window in cut[:k]:
+            loaded.score(window, len(split(window)[0]) - 1)
+        return time.perf_counter() - start
 
+    def stage(k: int) -> float:
+        start = time.perf_counter()
+        score_windows(loaded, recorder, cut[:k], ids)
+        return time.perf_counter() - start
 
-TEXT_REPEATS = 3  # times the windows are scored each way
+    n = len(cut)
+    ways = {"bare": bare, "stage": stage}
+    fastest = fastest_of(
+        {(way, k): lambda run=run, k=k: run(k) for way, run in ways.items() for k in (1, n)}
+    )
+    for way in ways:
+        took[way] += window_seconds(fastest[way, 1], fastest[way, n], n) * (n - 1)
+        took[f"{way}_pass"] += fastest[way, n]
+    took["windows"] += n - 1
+    took["pass_windows"] += n
 
 
 def text_interleaved(workdir: Path) -> dict[str, dict[str, float]]:
     """The text stage's recording against bare scoring, in one process on one loaded model:
     per combination of the experiment, its windows scored bare (``LoadedModel.score``) and
     as the stage scores and records them (``score_windows``, at its teacher's slice ids from the
-    experiment's results), in turn. Per backend: seconds of each (sums of the fastest) and
-    the windows timed."""
+    experiment's results), in turn (``_time_windows``). Per backend: seconds of windows 2 ..
+    n of each way and how many (``windows``), and of whole passes (``*_pass``,
+    ``pass_windows``)."""
     os.chdir(workdir)
     from qdiff.core.config import model_file, validate
     from qdiff.core.io import load_arrays
@@ -234,7 +263,11 @@ def text_interleaved(workdir: Path) -> dict[str, dict[str, float]]:
                 loaded.bos_added(),
             )
             top_k = ids.shape[-1] if ids is not None else min(spec["text"]["top_k"], loaded.n_vocab)
-            zero = {"bare": 0.0, "stage": 0.0, "windows": 0.0}
+            if len(cut) < 2:
+                sys.exit("the text stage's benchmark needs text.windows of 2 or more")
+            zero = dict.fromkeys(
+                ("bare", "stage", "windows", "bare_pass", "stage_pass", "pass_windows"), 0.0
+            )
             _time_windows(loaded, cut, ids, top_k, took.setdefault(settings.backend, zero))
     del log
     return took
@@ -291,12 +324,22 @@ def perplexity_seconds(binary: str, model: str, text: str, args: list[str], chun
     return seconds
 
 
+def perplexity_window_seconds(
+    binary: str, model: str, text: str, args: list[str], n: int
+) -> tuple[float, float, float]:
+    """llama-perplexity's seconds a window over windows 2 .. n of the text
+    (``window_seconds``: a run over n windows less one over the first alone, the fastest of
+    ``TEXT_REPEATS`` each, in turn), and those two fastest runs' seconds."""
+    fastest = fastest_of(
+        {k: lambda k=k: perplexity_seconds(binary, model, text, args, k) for k in (1, n)}
+    )
+    return window_seconds(fastest[1], fastest[n], n), fastest[1], fastest[n]
+
+
 def perplexity_interleaved(workdir: Path, binary: str) -> dict[str, dict[str, float]]:
-    """llama-perplexity (``binary``) on each text combination's file and device settings:
-    the seconds of its windows 2 .. n + 1 (n: the config's text.windows): a run over n + 1
-    windows less one over the first alone, as a fresh process's first window carries one-off
-    costs that the stage's timing (the fastest of repeated passes) does not; the fastest of
-    ``TEXT_REPEATS`` runs each. Per backend: seconds and windows timed."""
+    """llama-perplexity (``binary``) on each text combination's file and device settings,
+    its windows 2 .. n (n: the config's text.windows; ``perplexity_window_seconds``), as
+    ``text_interleaved`` times the stage's. Per backend: seconds and windows timed."""
     os.chdir(workdir)
     from qdiff.core.config import model_file, validate
     from qdiff.core.settings import DeviceSettings
@@ -313,15 +356,10 @@ def perplexity_interleaved(workdir: Path, binary: str) -> dict[str, dict[str, fl
         args = perplexity_arguments(settings, spec["text"]["n_ctx"], device)
         n = spec["text"]["windows"]
         model, text = model_file(combo.model, combo.dequant), spec["text"]["file"]
-        fastest = {1: float("inf"), 1 + n: float("inf")}
-        for r in range(2 * TEXT_REPEATS):
-            chunks = (1, 1 + n)[r % 2]
-            fastest[chunks] = min(
-                fastest[chunks], perplexity_seconds(binary, model, text, args, chunks)
-            )
+        window, _, _ = perplexity_window_seconds(binary, model, text, args, n)
         mine = took.setdefault(settings.backend, {"seconds": 0.0, "windows": 0.0})
-        mine["seconds"] += fastest[1 + n] - fastest[1]
-        mine["windows"] += n
+        mine["seconds"] += window * (n - 1)
+        mine["windows"] += n - 1
     return took
 
 
@@ -340,10 +378,16 @@ def perplexity_against_stage(
             "x",
             1.20,
             "lower",
-            f"seconds a window: {ours:.3f} scored and recorded by the stage, {theirs:.3f} by "
+            f"seconds a window: {ours:.4f} scored and recorded by the stage, {theirs:.4f} by "
             f"llama-perplexity ({took['windows']:.0f} windows of the same files and settings, "
-            f"its first window's time subtracted, the fastest of {TEXT_REPEATS} runs each)",
+            f"each way's first window's time subtracted, the fastest of {TEXT_REPEATS} runs "
+            f"each; the stage's whole passes {pass_window(stage[backend]):.4f} s a window)",
         )
+
+
+def pass_window(took: dict[str, float]) -> float:
+    """The stage's seconds a window over its whole passes (``_time_windows``)."""
+    return took["stage_pass"] / took["pass_windows"]
 
 
 def ok_text_records(workdir: Path) -> list[dict[str, Any]]:
@@ -370,9 +414,11 @@ def text_stage(workdir: Path, perplexity: Path | None) -> None:
             "x",
             1.20,
             "lower",
-            f"one process, {n:.0f} windows of its combinations, a combination's windows "
-            f"scored {TEXT_REPEATS} times each way in turn, the fastest kept: {stage:.3f} s scored "
-            f"and recorded, {bare:.3f} s scored bare ({stage / n:.4f} / {bare / n:.4f} s a window)",
+            f"one process, {n:.0f} windows of its combinations (each combination's first "
+            f"window's time subtracted), a combination's passes timed {TEXT_REPEATS} times "
+            f"each way in turn, the fastest kept: {stage:.3f} s scored and recorded, "
+            f"{bare:.3f} s scored bare ({stage / n:.4f} / {bare / n:.4f} s a window; whole "
+            f"passes {pass_window(took):.4f} / {took['bare_pass'] / took['pass_windows']:.4f})",
         )
     if perplexity is not None:
         perplexity_against_stage(workdir, perplexity, by_backend)
@@ -383,8 +429,10 @@ def exact_text(workdir: Path, ok: list[dict[str, Any]]) -> None:
     """The exact engine along the text against the f32 copies' scoring on the CPU it runs on,
     from the records of a finished run (``ok``: its ok text records): each model's float64
     forward passes over the mean of its CPU f32 combinations' scoring, and all models
-    together."""
-    exact = f32 = 0.0
+    together. Neither side's one-off cost counts: the scoring's seconds leave out the
+    model's load, the passes' leave out the weights' dequantization (their record's
+    ``dequantize_s``); the ratio with it is given beside."""
+    exact = f32 = dequantized = 0.0
     per_model = []
     for path in sorted((workdir / "results/exact").glob("*/text.json")):
         record = json.loads(path.read_text())
@@ -395,10 +443,15 @@ def exact_text(workdir: Path, ok: list[dict[str, Any]]) -> None:
             if r["model"] == model and r["dequant"] == "f32" and r["settings"]["backend"] == "cpu"
         ]
         if record["status"] == "ok" and own:
-            forward, scoring = record["timings"]["forward_s"], sum(own) / len(own)
-            exact, f32 = exact + forward, f32 + scoring
+            timings, scoring = record["timings"], sum(own) / len(own)
+            if "dequantize_s" not in timings:
+                sys.exit(f"{path} has no dequantize_s: a record of an older qdiff, run it again")
+            once = timings["dequantize_s"]
+            forward = timings["forward_s"] - once
+            exact, f32, dequantized = exact + forward, f32 + scoring, dequantized + once
             per_model.append(
-                f"{model} {forward / scoring:.2f}x ({forward:.1f} s / {scoring:.1f} s)"
+                f"{model} {forward / scoring:.2f}x ({forward:.1f} s / {scoring:.1f} s; "
+                f"{(forward + once) / scoring:.2f}x with {once:.1f} s of dequantization)"
             )
     if not f32:
         print("  exact text: no ok exact text record with a CPU f32 text record beside it")
@@ -409,8 +462,10 @@ def exact_text(workdir: Path, ok: list[dict[str, Any]]) -> None:
         "x",
         3.0,
         "lower",
-        f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of CPU f32 scoring; "
-        + "; ".join(per_model),
+        f"{exact:.1f} s of float64 forward passes, {f32:.1f} s of CPU f32 scoring, neither "
+        f"side's one-off cost: {(exact + dequantized) / f32:.2f}x with the weights' "
+        f"{dequantized:.1f} s of dequantization, as the scoring's leaves out the model's "
+        "load; " + "; ".join(per_model),
     )
 
 

@@ -60,8 +60,9 @@ def test_the_benchmark_measures_every_figure(tmp_path: Path, tiny_gguf: Path) ->
     # how fast this machine is is the benchmark's to judge: a figure need only be a number
     assert all(math.isfinite(float(value)) for _, value, _ in figures), out
     assert re.search(r"serving stage / its decoding .*\[8 jobs: ", out), out  # every serving job
-    # 8 combinations x the text's 3 windows; the runs-only pipeline scores no text
-    assert re.search(r"text stage / bare scoring, cpu .*one process, 24 windows", out), out
+    # 8 combinations x windows 2 and 3 of the text's 3; the runs-only pipeline scores no text
+    assert re.search(r"text stage / bare scoring, cpu .*one process, 16 windows", out), out
+    assert re.search(r"whole passes \d+\.\d+ / \d+\.\d+\)", out), out
     assert "runs only (run_combination 8, compare_model 2, report 1)" in out
     # the ratio's two factors, from the records the pipeline's own 8 runs wrote
     split = re.search(r"own records \(8 ok run records\): (\d+\.\d+) s .* / its records", out)
@@ -112,3 +113,21 @@ def test_llama_perplexity_runs_with_the_devices_settings_and_is_timed_by_its_log
     )
     assert math.isclose(bench.scoring_seconds(log), 62.968036)
     assert bench.scoring_seconds(log.partition("[1]")[0]) is None  # it stopped before
+
+
+def test_a_window_is_timed_without_the_one_off_costs_of_a_pass() -> None:
+    """The fastest of each run's timings, the runs in turn, and a window's seconds over
+    windows 2 .. n: a pass over n windows less one over the first alone."""
+    bench = _bench_module()
+    timings = {"one": iter([0.5, 0.3, 0.4]), "four": iter([2.0, 2.4, 1.8])}
+    order: list[str] = []
+
+    def timing(name: str) -> float:
+        order.append(name)
+        return next(timings[name])
+
+    fastest = bench.fastest_of({name: lambda name=name: timing(name) for name in timings})
+    assert fastest == {"one": 0.3, "four": 1.8}
+    assert order == ["one", "four"] * bench.TEXT_REPEATS  # in turn, not one after the other
+    # a pass of 4 windows at 1.8 s whose first alone takes 0.3 s: 0.5 s a window after it
+    assert math.isclose(bench.window_seconds(fastest["one"], fastest["four"], 4), 0.5)

@@ -1,7 +1,8 @@
 """The text stage's scoring against bare scoring per combination of the default experiment
-(docs/performance.md), with benchmarks/bench.py's own timing (`_time_windows`: each window
-scored 3 times each way in turn, the fastest kept), run in an experiment directory whose
-text jobs have run (their teacher slice ids are read):
+(docs/performance.md), with benchmarks/bench.py's own timing (`_time_windows`; when its
+log was made, the windows scored 3 times each way in turn, the fastest kept; since then,
+windows 2 .. n, the passes over the first alone subtracted), run in an experiment
+directory whose text jobs have run (their teacher slice ids are read):
 
     .venv/bin/python docs/results/bench-epyc/text-recording.py new|old   (repository root)
 
@@ -51,7 +52,9 @@ def main(which: str) -> None:
         with LoadedModel(Path(model_file(combo.model, combo.dequant)), settings, n_ctx) as model:
             text = model.tokenize(Path(spec["text"]["file"]).read_text(), parse_special=False)
             cut = windows(text, n_ctx, spec["text"]["windows"], model.bos_added())
-            took = {"bare": 0.0, "stage": 0.0, "windows": 0.0}
+            took = dict.fromkeys(
+                ("bare", "stage", "windows", "bare_pass", "stage_pass", "pass_windows"), 0.0
+            )
             top_k = ids.shape[-1] if ids is not None else spec["text"]["top_k"]
             bench._time_windows(model, cut, ids, top_k, took)
         total = {way: total[way] + took[way] for way in total}

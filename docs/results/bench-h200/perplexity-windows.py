@@ -8,13 +8,12 @@ llama-cpp-python vendors (device.sh `build cuda perplexity`):
   PYTHONPATH=src python3 docs/results/bench-h200/perplexity-windows.py BINARY GGUF [BACKEND [N]]
 BACKEND: cuda (default), vulkan or cpu; N: windows timed (default 8, text-in-place.py's)."""
 
-import math
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path("benchmarks").resolve()))
-from bench import TEXT_REPEATS, perplexity_arguments, perplexity_seconds
+from bench import TEXT_REPEATS, perplexity_arguments, perplexity_window_seconds
 
 from qdiff.core.settings import DeviceSettings
 
@@ -24,15 +23,11 @@ n = int(sys.argv[4]) if len(sys.argv) > 4 else 8
 settings = DeviceSettings(backend=backend, threads=len(os.sched_getaffinity(0)))
 device = {"cuda": "CUDA0", "vulkan": "Vulkan0"}.get(backend, "none")
 args = perplexity_arguments(settings, 512, device)
-fastest = {1: math.inf, 1 + n: math.inf}
-for r in range(2 * TEXT_REPEATS):
-    chunks = (1, 1 + n)[r % 2]
-    seconds = perplexity_seconds(binary, model, "resources/texts/macbeth.txt", args, chunks)
-    fastest[chunks] = min(fastest[chunks], seconds)
-window = (fastest[1 + n] - fastest[1]) / n
+text = "resources/texts/macbeth.txt"
+window, first, whole = perplexity_window_seconds(binary, model, text, args, 1 + n)
 print(f"llama-perplexity {' '.join(args)}")
 print(
     f"  {n} windows of 512 tokens, {backend}, {settings.threads} threads, the fastest of {TEXT_REPEATS}"
 )
-print(f"  first window alone {fastest[1]:.4f} s; 1 + {n} windows {fastest[1 + n]:.4f} s")
+print(f"  first window alone {first:.4f} s; 1 + {n} windows {whole:.4f} s")
 print(f"  {window * 1000:7.1f} ms a window")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path("benchmarks").resolve()))
-from bench import TEXT_REPEATS, perplexity_arguments, perplexity_seconds
+from bench import TEXT_REPEATS, perplexity_arguments, perplexity_window_seconds
 
 from qdiff.core import forced
 from qdiff.core.forced import ForcedRecorder
@@ -104,11 +104,6 @@ for threads in THREADS:
                     flush=True,
                 )
     args = perplexity_arguments(settings, 512, gpu.name if settings.on_gpu else "none")
-    fastest = {1: math.inf, 1 + n: math.inf}
-    for r in range(2 * TEXT_REPEATS):
-        chunks = (1, 1 + n)[r % 2]
-        fastest[chunks] = min(
-            fastest[chunks], perplexity_seconds(binary, model, TEXT, args, chunks)
-        )
-    print(f"  llama-perplexity -t {threads}: {(fastest[1 + n] - fastest[1]) / n * 1e3:5.1f}")
+    window, _, _ = perplexity_window_seconds(binary, model, TEXT, args, 1 + n)
+    print(f"  llama-perplexity -t {threads}: {window * 1e3:5.1f}")
 del log

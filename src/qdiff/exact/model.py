@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -42,6 +43,7 @@ class Weights:
         self._tensors = {t.name: t for t in self.file.tensors}
         self._cache: dict[str, np.ndarray] = {}
         self.read: set[str] = set()  # the tensors a forward pass used
+        self.dequantize_s = 0.0  # seconds spent dequantizing, a one-off cost of each tensor
 
     def unread(self) -> list[str]:
         """The file's tensors no forward pass has used so far, one name for a tensor of
@@ -86,7 +88,9 @@ class Weights:
     def __getitem__(self, name: str) -> np.ndarray:
         self.read.add(name)
         if name not in self._cache:
+            start = time.perf_counter()
             self._cache[name] = self.float64(name)
+            self.dequantize_s += time.perf_counter() - start
         return self._cache[name]
 
     def release(self, prefix: str) -> None:

@@ -70,6 +70,8 @@ def reference(
         "timings": {
             "total_s": round(time.perf_counter() - start, 3),
             "forward_s": round(forward_s, 3),
+            # of forward_s: the weights' dequantization, once a tensor, whatever the text's length
+            "dequantize_s": round(exact.weights.dequantize_s, 3),
         },
         "peak_rss_mib": _peak_rss_mib(),
         "layer_by_layer": layer_by_layer,
