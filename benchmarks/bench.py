@@ -188,6 +188,11 @@ def window_seconds(first: float, whole: float, n: int) -> float:
     return (whole - first) / (n - 1)
 
 
+# what _time_windows adds up per backend: seconds of windows 2 .. n each way and how many,
+# and of the whole passes
+TEXT_TIMINGS = ("bare", "stage", "windows", "bare_pass", "stage_pass", "pass_windows")
+
+
 def _time_windows(
     loaded: Any, cut: list[list[int]], ids: Any, top_k: int, took: dict[str, float]
 ) -> None:
@@ -217,8 +222,8 @@ def _time_windows(
     fastest = fastest_of(
         {(way, k): lambda run=run, k=k: run(k) for way, run in ways.items() for k in (1, n)}
     )
-    for way in ways:
-        took[way] += window_seconds(fastest[way, 1], fastest[way, n], n) * (n - 1)
+    for way in ways:  # windows 2 .. n: the whole pass less the first window's
+        took[way] += fastest[way, n] - fastest[way, 1]
         took[f"{way}_pass"] += fastest[way, n]
     took["windows"] += n - 1
     took["pass_windows"] += n
@@ -265,9 +270,7 @@ def text_interleaved(workdir: Path) -> dict[str, dict[str, float]]:
             top_k = ids.shape[-1] if ids is not None else min(spec["text"]["top_k"], loaded.n_vocab)
             if len(cut) < 2:
                 sys.exit("the text stage's benchmark needs text.windows of 2 or more")
-            zero = dict.fromkeys(
-                ("bare", "stage", "windows", "bare_pass", "stage_pass", "pass_windows"), 0.0
-            )
+            zero = dict.fromkeys(TEXT_TIMINGS, 0.0)
             _time_windows(loaded, cut, ids, top_k, took.setdefault(settings.backend, zero))
     del log
     return took
@@ -356,9 +359,9 @@ def perplexity_interleaved(workdir: Path, binary: str) -> dict[str, dict[str, fl
         args = perplexity_arguments(settings, spec["text"]["n_ctx"], device)
         n = spec["text"]["windows"]
         model, text = model_file(combo.model, combo.dequant), spec["text"]["file"]
-        window, _, _ = perplexity_window_seconds(binary, model, text, args, n)
+        _, first, whole = perplexity_window_seconds(binary, model, text, args, n)
         mine = took.setdefault(settings.backend, {"seconds": 0.0, "windows": 0.0})
-        mine["seconds"] += window * (n - 1)
+        mine["seconds"] += whole - first
         mine["windows"] += n - 1
     return took
 
@@ -381,13 +384,14 @@ def perplexity_against_stage(
             f"seconds a window: {ours:.4f} scored and recorded by the stage, {theirs:.4f} by "
             f"llama-perplexity ({took['windows']:.0f} windows of the same files and settings, "
             f"each way's first window's time subtracted, the fastest of {TEXT_REPEATS} runs "
-            f"each; the stage's whole passes {pass_window(stage[backend]):.4f} s a window)",
+            f"each; the stage's whole passes {pass_window(stage[backend], 'stage'):.4f} s a "
+            "window)",
         )
 
 
-def pass_window(took: dict[str, float]) -> float:
-    """The stage's seconds a window over its whole passes (``_time_windows``)."""
-    return took["stage_pass"] / took["pass_windows"]
+def pass_window(took: dict[str, float], way: str) -> float:
+    """One way's seconds a window over its whole passes (``_time_windows``)."""
+    return took[f"{way}_pass"] / took["pass_windows"]
 
 
 def ok_text_records(workdir: Path) -> list[dict[str, Any]]:
@@ -418,7 +422,7 @@ def text_stage(workdir: Path, perplexity: Path | None) -> None:
             f"window's time subtracted), a combination's passes timed {TEXT_REPEATS} times "
             f"each way in turn, the fastest kept: {stage:.3f} s scored and recorded, "
             f"{bare:.3f} s scored bare ({stage / n:.4f} / {bare / n:.4f} s a window; whole "
-            f"passes {pass_window(took):.4f} / {took['bare_pass'] / took['pass_windows']:.4f})",
+            f"passes {pass_window(took, 'stage'):.4f} / {pass_window(took, 'bare'):.4f})",
         )
     if perplexity is not None:
         perplexity_against_stage(workdir, perplexity, by_backend)

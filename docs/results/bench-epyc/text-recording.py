@@ -52,9 +52,7 @@ def main(which: str) -> None:
         with LoadedModel(Path(model_file(combo.model, combo.dequant)), settings, n_ctx) as model:
             text = model.tokenize(Path(spec["text"]["file"]).read_text(), parse_special=False)
             cut = windows(text, n_ctx, spec["text"]["windows"], model.bos_added())
-            took = dict.fromkeys(
-                ("bare", "stage", "windows", "bare_pass", "stage_pass", "pass_windows"), 0.0
-            )
+            took = dict.fromkeys(bench.TEXT_TIMINGS, 0.0)
             top_k = ids.shape[-1] if ids is not None else spec["text"]["top_k"]
             bench._time_windows(model, cut, ids, top_k, took)
         total = {way: total[way] + took[way] for way in total}
