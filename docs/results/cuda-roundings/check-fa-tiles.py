@@ -3,9 +3,10 @@ kernel read (capture-fa-inputs.py's ``<target>-fa-inputs-<n>.npz``: Q after RoPE
 cache's K and V, the f16 mask, the output at every position), so that RoPE no longer stands
 between the emulation and the capture (explore-fa-tiles.py).
 
-Kernel path (vendored llama.cpp, fattn-mma-f16.cuh and fattn-common.cuh): a head of 64 and
-more than 32 query rows take ncols1 = 64, one warp a column group (np = 1), nbatch_fa = 64
-cells a KV tile. Stream-k (NVIDIA from Ada): the ``iter_k`` KV tiles of every output tile
+Kernel path (vendored llama.cpp, fattn-mma-f16.cuh and fattn-common.cuh): a head of 64 or
+128 and more than 32 query rows take ncols1 = 64, one warp a column group (np = 1),
+nbatch_fa = 64 cells a KV tile (ggml_cuda_fattn_mma_get_config_ampere); the captures'
+lengths (40-600 tokens, the last ubatch of 600 holding 88 rows) all take this path. Stream-k (NVIDIA from Ada): the ``iter_k`` KV tiles of every output tile
 (64 rows of one head) laid end to end and cut into ``blocks`` equal spans; each block runs
 its span's tiles with a running maximum (the f16 accumulator rescaled by an f16 factor,
 the float32 row sum by a float32 one), and where a span does not cover a whole output tile,
@@ -50,11 +51,6 @@ def scores_of(t: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return s + t["mask"][0, 0].astype(np.float64)[None], v
 
 
-def one_max(s: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """The engine today: one maximum over all of a row's cells (one tile)."""
-    return cuda.mma_flash_sum(s, v)
-
-
 def span_partial(
     s: np.ndarray, v: np.ndarray, tiles: range
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -79,7 +75,8 @@ def span_partial(
 
 
 def _accumulate(acc: np.ndarray, p: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """P·V onto the f16 accumulator, 16 cells a step (mma m16n8k16), each step rounded."""
+    """P·V onto the f16 accumulator, 16 cells a step (mma m16n8k16), each step rounded:
+    cuda.cublas_f16_weighted_sum's arithmetic, from an accumulator that need not be zero."""
     weights = f16(p)
     for start in range(0, p.shape[-1], cuda.CUBLAS_F16_RUN):
         run = slice(start, start + cuda.CUBLAS_F16_RUN)
@@ -140,7 +137,7 @@ def main() -> None:
         captured = t["out"][0].transpose(1, 0, 2)  # (heads, rows, d)
         n_tiles = -(-s.shape[1] // NCOLS1) * s.shape[0] * -(-s.shape[2] // NBATCH_FA)
         print(f"{path.stem}: {s.shape[1]} rows, {s.shape[2]} cells, {n_tiles} KV tiles in all")
-        print(f"  one maximum (the engine)       {compare(one_max(s, v), captured)}")
+        print(f"  one maximum (the engine)       {compare(cuda.mma_flash_sum(s, v), captured)}")
         n_dst = n_tiles // -(-s.shape[2] // NBATCH_FA)
         for blocks in sorted({stream_k_blocks(n_dst, n_tiles, occ * SMS) for occ in (1, 2, 3, 4)}):
             print(
