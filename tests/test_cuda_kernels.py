@@ -559,6 +559,19 @@ def test_softmax_v_of_40_tokens_adds_runs_of_16_cells_in_f16_on_h200_tensors(
         assert _relative(acc, theirs) > 1e-4, run
 
 
+def test_f16_weighted_sum_goes_on_from_a_given_accumulator() -> None:
+    """A sum cut at a run boundary and continued from its first part's accumulator is the
+    whole sum, bit for bit; continued from zero it is not (the f16 roundings differ)."""
+    rng = np.random.default_rng(0)
+    p, v = rng.random((2, 3, 64)), rng.standard_normal((2, 64, 8))
+    whole = cuda.cublas_f16_weighted_sum(p, v)
+    first = cuda.cublas_f16_weighted_sum(p[..., :32], v[:, :32])
+    rest = cuda.cublas_f16_weighted_sum(p[..., 32:], v[:, 32:], acc=first)
+    assert np.array_equal(rest, whole)
+    separately = first + cuda.cublas_f16_weighted_sum(p[..., 32:], v[:, 32:])
+    assert not np.array_equal(cuda.f16(separately), whole)
+
+
 def test_f16_matmuls_of_40_tokens_add_runs_of_16_products_in_f16(
     tmp_path: Path, files: dict[str, Path]
 ) -> None:

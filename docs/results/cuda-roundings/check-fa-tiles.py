@@ -69,19 +69,9 @@ def span_partial(
         factor = np.where(diff >= FTZ, np.float32(np.exp(diff)), 0.0)
         rowsum = np.float32(factor * rowsum + np.float32(p.sum(axis=-1))).astype(np.float64)
         acc = f16(acc * f16(factor)[..., None]) + 0.0
-        acc = _accumulate(acc, p, v[:, cells])
+        acc = cuda.cublas_f16_weighted_sum(p, v[:, cells], acc=acc)
         top = new
     return acc, top, rowsum
-
-
-def _accumulate(acc: np.ndarray, p: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """P·V onto the f16 accumulator, 16 cells a step (mma m16n8k16), each step rounded:
-    cuda.cublas_f16_weighted_sum's arithmetic, from an accumulator that need not be zero."""
-    weights = f16(p)
-    for start in range(0, p.shape[-1], cuda.CUBLAS_F16_RUN):
-        run = slice(start, start + cuda.CUBLAS_F16_RUN)
-        acc = f16(acc + weights[:, :, run] @ v[:, run])
-    return acc
 
 
 def stream_k(s: np.ndarray, v: np.ndarray, blocks: int) -> np.ndarray:

@@ -296,7 +296,10 @@ CUBLAS_F16_RUN = 16  # cells whose products one step of cuBLAS's f16 GEMM adds a
 
 
 def cublas_f16_weighted_sum(
-    p: np.ndarray, v: np.ndarray, run_cells: int = CUBLAS_F16_RUN
+    p: np.ndarray,
+    v: np.ndarray,
+    run_cells: int = CUBLAS_F16_RUN,
+    acc: np.ndarray | None = None,
 ) -> np.ndarray:
     """softmax·V of more than MMF_MAX_TOKENS rows as cuBLAS computes it at the default
     precision (ggml_cuda_mul_mat_cublas_impl: CUBLAS_COMPUTE_16F, an f16 result that
@@ -307,13 +310,16 @@ def cublas_f16_weighted_sum(
     exactly on 7 of 9 tiny models' layer 0 and within one output of 256 on the others, and
     what its f16 matmuls of 40 tokens give, exactly (docs/results/cuda-roundings); for other
     shapes cuBLAS may pick another kernel (split K), not measured. Other ``run_cells``
-    are the alternatives the measurement rules out."""
+    are the alternatives the measurement rules out. ``acc`` (heads, rows, values) is an f16
+    accumulator to go on from, as a flash-attention tile goes on from the last (zero when
+    not given)."""
     heads, rows, keys = p.shape
     n_runs = -(-keys // run_cells)
     pad = n_runs * run_cells - keys
     weights = np.pad(f16(p), ((0, 0), (0, 0), (0, pad)))
     values = np.pad(v, ((0, 0), (0, pad), (0, 0)))
-    acc = np.zeros((heads, rows, v.shape[-1]))
+    if acc is None:
+        acc = np.zeros((heads, rows, v.shape[-1]))
     for start in range(0, n_runs * run_cells, run_cells):
         run = slice(start, start + run_cells)
         acc = f16(acc + weights[:, :, run] @ values[:, run])
