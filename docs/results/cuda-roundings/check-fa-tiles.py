@@ -6,7 +6,8 @@ between the emulation and the capture (explore-fa-tiles.py).
 Kernel path (vendored llama.cpp, fattn-mma-f16.cuh and fattn-common.cuh): a head of 64 or
 128 and more than 32 query rows take ncols1 = 64, one warp a column group (np = 1),
 nbatch_fa = 64 cells a KV tile (ggml_cuda_fattn_mma_get_config_ampere); the captures'
-lengths (40-600 tokens, the last ubatch of 600 holding 88 rows) all take this path. Stream-k (NVIDIA from Ada): the ``iter_k`` KV tiles of every output tile
+lengths (40-600 tokens, the last ubatch of 600 holding 88 rows) all take this path.
+Stream-k (NVIDIA from Ada): the ``iter_k`` KV tiles of every output tile
 (64 rows of one head) laid end to end and cut into ``blocks`` equal spans; each block runs
 its span's tiles with a running maximum (the f16 accumulator rescaled by an f16 factor,
 the float32 row sum by a float32 one), and where a span does not cover a whole output tile,
@@ -69,6 +70,7 @@ def span_partial(
         factor = np.where(diff >= FTZ, np.float32(np.exp(diff)), 0.0)
         rowsum = np.float32(factor * rowsum + np.float32(p.sum(axis=-1))).astype(np.float64)
         acc = f16(acc * f16(factor)[..., None]) + 0.0
+        # P·V onto the f16 accumulator, 16 cells a step (mma m16n8k16), each step rounded
         acc = cuda.cublas_f16_weighted_sum(p, v[:, cells], acc=acc)
         top = new
     return acc, top, rowsum
